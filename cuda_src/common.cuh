@@ -1,0 +1,177 @@
+// common.cuh: types, vector packs and reductions shared by every cupynorm kernel family.
+//
+// The sources are compiled by NVRTC with no CUDA headers at all: fp16 and bf16 travel as raw
+// 16-bit storage and are converted with PTX `cvt`, async copies and cluster accesses are PTX too.
+// That keeps the build independent of where (or whether) the CUDA toolkit headers live.
+//
+// Each module is compiled once per element type, chosen with -DSCALAR_T=<float|double|half_t|bf16_t>,
+// and weight/bias type -DPARAM_T (defaults to SCALAR_T).
+// Accumulation is in fp32 (fp64 for double inputs); statistics are stored in that type.
+#pragma once
+
+#ifndef SCALAR_T
+#error "compile with -DSCALAR_T=<float|double|half_t|bf16_t>"
+#endif
+
+typedef long long int64;
+
+struct half_t { unsigned short bits; };
+struct bf16_t { unsigned short bits; };
+
+template <typename T> struct AccOf { typedef float type; };
+template <> struct AccOf<double> { typedef double type; };
+
+#ifndef PARAM_T
+#define PARAM_T SCALAR_T
+#endif
+
+typedef SCALAR_T scalar_t;  // input / output elements
+typedef PARAM_T param_t;    // weight and bias: the input's type or float (mixed precision)
+typedef AccOf<scalar_t>::type acc_t;
+
+// ---- conversions -------------------------------------------------------------------------------
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(half_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+    return f;
+}
+__device__ __forceinline__ float to_acc(bf16_t v) {
+    return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_acc(acc_t v);
+template <> __device__ __forceinline__ float from_acc<float>(acc_t v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(acc_t v) { return v; }
+template <> __device__ __forceinline__ half_t from_acc<half_t>(acc_t v) {
+    half_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(static_cast<float>(v)));
+    return h;
+}
+template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(acc_t v) {
+    bf16_t h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(static_cast<float>(v)));
+    return h;
+}
+
+__device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double rsqrt_acc(double v) { return rsqrt(v); }
+
+// ---- vector packs: V elements moved as one access (V * sizeof(scalar_t) <= 16 bytes) ----------
+constexpr int VEC = 16 / sizeof(scalar_t);
+
+template <int V> struct __align__(sizeof(scalar_t) * V) Pack { scalar_t v[V]; };
+
+template <int V>
+__device__ __forceinline__ Pack<V> load_pack(const scalar_t* __restrict__ p, int64 i) {
+    return reinterpret_cast<const Pack<V>*>(p)[i];
+}
+template <int V>
+__device__ __forceinline__ void store_pack(scalar_t* __restrict__ p, int64 i, const Pack<V>& v) {
+    reinterpret_cast<Pack<V>*>(p)[i] = v;
+}
+
+// ---- Welford / Chan statistics -----------------------------------------------------------------
+// (count, mean, M2) with M2 = sum (x - mean)^2. Never E[x^2] - E[x]^2: merging two sets shifts by
+// the difference of their means, so offset data (mean 1e4, std 1) keeps its digits.
+struct Stats {
+    acc_t n, mean, m2;
+};
+
+__device__ __forceinline__ Stats stats_empty() { return Stats{acc_t(0), acc_t(0), acc_t(0)}; }
+
+__device__ __forceinline__ Stats stats_merge(const Stats& a, const Stats& b) {
+    const acc_t n = a.n + b.n;
+    if (n == acc_t(0)) return a;
+    const acc_t wb = b.n / n;
+    const acc_t delta = b.mean - a.mean;
+    return Stats{n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
+}
+
+// Exact two-pass statistics of K values held in registers.
+template <int K>
+__device__ __forceinline__ Stats stats_of(const acc_t (&v)[K]) {
+    acc_t s = 0;
+#pragma unroll
+    for (int i = 0; i < K; ++i) s += v[i];
+    const acc_t mean = s / acc_t(K);
+    acc_t m2 = 0;
+#pragma unroll
+    for (int i = 0; i < K; ++i) m2 += (v[i] - mean) * (v[i] - mean);
+    return Stats{acc_t(K), mean, m2};
+}
+
+template <int V>
+__device__ __forceinline__ Stats stats_of_pack(const Pack<V>& p) {
+    acc_t v[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = to_acc(p.v[i]);
+    return stats_of<V>(v);
+}
+
+// ---- warp / block reductions (fixed order: bitwise reproducible) ------------------------------
+__device__ __forceinline__ acc_t warp_sum(acc_t v) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ __forceinline__ Stats warp_stats(Stats s) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        Stats o;
+        o.n = __shfl_down_sync(0xffffffffu, s.n, off);
+        o.mean = __shfl_down_sync(0xffffffffu, s.mean, off);
+        o.m2 = __shfl_down_sync(0xffffffffu, s.m2, off);
+        s = stats_merge(s, o);
+    }
+    return s;
+}
+
+// Sum over the block, result returned to every thread. blockDim.x must be a multiple of 32.
+// `scratch` holds 33 values; the call begins and ends with a barrier so it can be reused.
+__device__ __forceinline__ acc_t block_sum(acc_t v, acc_t* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        acc_t t = lane < nwarps ? scratch[lane] : acc_t(0);
+        t = warp_sum(t);
+        if (lane == 0) scratch[32] = t;
+    }
+    __syncthreads();
+    return scratch[32];
+}
+
+// Statistics merged over a 1-D block; the result is valid in thread 0 only.
+__device__ __forceinline__ Stats block_stats(Stats s, Stats* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    s = warp_stats(s);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < nwarps ? scratch[lane] : stats_empty();
+        s = warp_stats(s);
+    }
+    return s;
+}
+
+// ---- PTX helpers -------------------------------------------------------------------------------
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return static_cast<unsigned>(a);
+}
+
+// 16-byte global -> shared copy that bypasses registers (sm_80+).
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem_dst)),
+                 "l"(gmem_src));
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}

@@ -1,0 +1,16 @@
+"""cupynorm: normalization layers as CUDA kernels compiled at run time by CuPy (NVRTC).
+
+Functional API on CuPy arrays, torch CUDA tensors (zero-copy) and any DLPack array::
+
+    import cupynorm
+    y = cupynorm.group_norm(x, num_groups=8, weight=w, bias=b)
+
+Drop-in ``torch.nn`` modules that train live in :mod:`cupynorm.torch`. Importing cupynorm imports
+neither CuPy nor torch; kernels compile on first use, per device and element type.
+"""
+
+from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]

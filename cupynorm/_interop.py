@@ -1,0 +1,172 @@
+"""Array frameworks at the boundary: CuPy arrays and torch tensors, zero-copy.
+
+Kernels only ever see raw device pointers, so a torch tensor is never converted: the host code asks
+the tensor's own framework for its pointer, strides, outputs (allocated by that framework, so
+torch's caching allocator and CUDA-graph capture keep working) and current stream. Any other object
+with ``__dlpack__`` goes through ``cupy.from_dlpack`` and comes back through its namespace's
+``from_dlpack``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NamedTuple
+
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
+
+
+class RawStream(NamedTuple):
+    """What CuPy's kernel launch needs of a stream: its handle."""
+
+    ptr: int
+
+
+def torch_module() -> Any:
+    """The torch module if it was imported by anyone, else None (never imports torch itself)."""
+    return sys.modules.get("torch")
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+class TorchBackend:
+    """Host operations on torch CUDA tensors."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.to_name = {
+            torch.float32: "float32",
+            torch.float64: "float64",
+            torch.float16: "float16",
+            torch.bfloat16: "bfloat16",
+        }
+        self.from_name = {v: k for k, v in self.to_name.items()}
+
+    def dtype_name(self, x: Any) -> str | None:
+        return self.to_name.get(x.dtype)
+
+    @staticmethod
+    def ptr(x: Any) -> int:
+        return x.data_ptr()
+
+    @staticmethod
+    def strides(x: Any) -> tuple[int, ...]:
+        return x.stride()
+
+    @staticmethod
+    def device_id(x: Any) -> int:
+        return x.device.index
+
+    def stream(self, device_id: int) -> RawStream:
+        # read per call: autograd runs backward on another thread and users switch streams
+        return RawStream(self.torch.cuda.current_stream(device_id).cuda_stream)
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
+
+    def empty_strided_like(self, x: Any) -> Any:
+        return self.torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def contiguous(x: Any) -> Any:
+        return x.contiguous()
+
+    def fill_nan(self, x: Any) -> None:
+        x.fill_(float("nan"))
+
+    def update_running(self, running: Any, batch_stat: Any, momentum: float) -> None:
+        running.mul_(1.0 - momentum).add_(batch_stat.to(running.dtype), alpha=momentum)
+
+    def rsqrt_plus(self, var: Any, eps: float, dtype: str) -> Any:
+        return self.torch.rsqrt(var.to(self.from_name[dtype]) + eps)
+
+    def astype(self, x: Any, dtype: str) -> Any:
+        return x.to(self.from_name[dtype])
+
+    def mean0(self, x: Any) -> Any:
+        return x.mean(0)
+
+
+class CupyBackend:
+    """Host operations on CuPy arrays."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cupy = cupy
+
+    def dtype_name(self, x: Any) -> str | None:
+        name = x.dtype.name
+        return name if name in DTYPE_NAMES else None
+
+    @staticmethod
+    def ptr(x: Any) -> int:
+        return x.data.ptr
+
+    @staticmethod
+    def strides(x: Any) -> tuple[int, ...]:
+        item = x.itemsize
+        return tuple(s // item for s in x.strides)
+
+    @staticmethod
+    def device_id(x: Any) -> int:
+        return x.device.id
+
+    def stream(self, device_id: int) -> RawStream:
+        return RawStream(self.cupy.cuda.get_current_stream(device_id).ptr)
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        with like.device:
+            return self.cupy.empty(shape, dtype=dtype)
+
+    def empty_strided_like(self, x: Any) -> Any:
+        # allocate in the order of decreasing strides, then view back into x's axis order
+        order = sorted(range(x.ndim), key=lambda d: (-x.strides[d], d))
+        with x.device:
+            base = self.cupy.empty(tuple(x.shape[d] for d in order), dtype=x.dtype)
+        inverse = [order.index(d) for d in range(x.ndim)]
+        return base.transpose(inverse)
+
+    def contiguous(self, x: Any) -> Any:
+        with x.device:
+            return self.cupy.ascontiguousarray(x)
+
+    def fill_nan(self, x: Any) -> None:
+        x.fill(float("nan"))
+
+    def update_running(self, running: Any, batch_stat: Any, momentum: float) -> None:
+        with running.device:
+            running *= 1.0 - momentum
+            running += momentum * batch_stat.astype(running.dtype)
+
+    def rsqrt_plus(self, var: Any, eps: float, dtype: str) -> Any:
+        with var.device:
+            return 1.0 / self.cupy.sqrt(var.astype(dtype) + eps)
+
+    def astype(self, x: Any, dtype: str) -> Any:
+        with x.device:
+            return x.astype(dtype)
+
+    def mean0(self, x: Any) -> Any:
+        with x.device:
+            return x.mean(0)
+
+
+_backends: dict[str, Any] = {}
+
+
+def backend_of(x: Any) -> Any:
+    """The backend for a torch tensor or a CuPy array (constructed once per process)."""
+    kind = "torch" if is_torch_tensor(x) else "cupy"
+    backend = _backends.get(kind)
+    if backend is None:
+        backend = _backends[kind] = TorchBackend() if kind == "torch" else CupyBackend()
+    return backend

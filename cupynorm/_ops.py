@@ -1,0 +1,425 @@
+"""Framework-neutral host code: plan and launch the kernels for one normalization call.
+
+Arguments are CuPy arrays or torch CUDA tensors (all of one kind per call), already validated by
+the public layer. Outputs are allocated by the caller's framework and kernels run on that
+framework's current stream. Statistics are float32 (float64 for float64 inputs). See
+docs/internal-api.md for the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _plan
+from ._compile import get_kernel
+from ._interop import backend_of
+
+_SEGMENT = "segment_norm.cu"
+_STRIDED = "strided_norm.cu"
+
+_NULL = np.uint64(0)
+_ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+
+def _acc(dtype: str) -> str:
+    return "float64" if dtype == "float64" else "float32"
+
+
+def _scalar(dtype: str, value: float) -> Any:
+    return np.float64(value) if dtype == "float64" else np.float32(value)
+
+
+class _Call:
+    """What every launch of one call shares: backend, device, stream, dtype."""
+
+    __slots__ = ("bk", "device", "stream", "dtype", "param_dtype", "acc", "itemsize", "vec", "info")
+
+    def __init__(self, x: Any, weight: Any = None) -> None:
+        self.bk = backend_of(x)
+        self.device = self.bk.device_id(x)
+        self.stream = self.bk.stream(self.device)
+        self.dtype = self.bk.dtype_name(x)
+        self.acc = _acc(self.dtype)
+        # weight/bias in float32 beside a half-precision input: a module variant of its own
+        param = self.bk.dtype_name(weight) if weight is not None else None
+        self.param_dtype = param if param not in (None, self.dtype) else None
+        self.itemsize = _ITEMSIZE[self.dtype]
+        self.vec = _plan.vec_width(self.itemsize)
+        self.info = _plan.device_info(self.device)
+
+    def ptr(self, t: Any) -> np.uint64:
+        return _NULL if t is None else np.uint64(self.bk.ptr(t))
+
+    def aligned(self, *arrays: Any, strides: tuple[int, ...] = ()) -> bool:
+        """Whether 16-byte accesses are possible: pointers 16-byte aligned, strides whole packs."""
+        return all(t is None or self.bk.ptr(t) % 16 == 0 for t in arrays) and all(
+            s % self.vec == 0 for s in strides
+        )
+
+    def launch(
+        self,
+        source: str,
+        kernel: str,
+        grid: int,
+        block: tuple[int, ...],
+        args: tuple,
+        smem: int = 0,
+        cluster_size: int = 1,
+    ) -> None:
+        function = get_kernel(
+            self.device, source, kernel, self.dtype, cluster_size, self.param_dtype
+        )
+        function((grid,), block, args, shared_mem=smem, stream=self.stream)
+
+    def stats(self, shape: tuple[int, ...], like: Any) -> Any:
+        return self.bk.empty(shape, self.acc, like)
+
+
+def _prepare(x: Any, bk: Any) -> tuple[Any, str]:
+    """x in a layout the kernels read in place (contiguous or channels_last), copying otherwise."""
+    layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
+    if layout == "other":
+        x = bk.contiguous(x)
+        layout = "contiguous"
+    return x, layout
+
+
+# ---- the three passes of the strided path ------------------------------------------------------
+def _stats_rows(
+    call: _Call, x: Any, num_sets: int, n_runs: int, run_len: int, run_stride: int, set_stride: int
+) -> tuple[Any, int]:
+    """Partial triples of sets of contiguous runs; returns (partials, partials per set)."""
+    plan = _plan.plan_rows_stats(
+        num_sets,
+        n_runs * run_len,
+        run_len,
+        call.itemsize,
+        call.aligned(x, strides=(run_stride, set_stride)),
+        call.info,
+    )
+    partials = call.stats((num_sets * plan.ctas_per_set * 3,), x)
+    i64 = np.int64
+    call.launch(
+        _STRIDED,
+        "strided_norm_stats_rows",
+        num_sets * plan.ctas_per_set,
+        (plan.threads,),
+        (
+            call.ptr(x),
+            call.ptr(partials),
+            i64(n_runs),
+            i64(run_len),
+            i64(run_stride),
+            i64(set_stride),
+            i64(plan.chunk),
+            i64(plan.ctas_per_set),
+            np.int32(plan.vectorized),
+        ),
+    )
+    return partials, plan.ctas_per_set
+
+
+def _stats_cols(
+    call: _Call,
+    x: Any,
+    samples: int,
+    rows: int,
+    channels: int,
+    sample_stride: int,
+    groups: int,
+    chans_per_group: int,
+) -> tuple[Any, int]:
+    """Partial triples over channel-innermost data; returns (partials, partials per set)."""
+    plan = _plan.plan_cols(
+        samples, rows, channels, call.itemsize, call.aligned(x, strides=(sample_stride,)), call.info
+    )
+    vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1
+    partials = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
+    smem = plan.tx * plan.ty * vec * 3 * np.dtype(call.acc).itemsize
+    i64 = np.int64
+    call.launch(
+        _STRIDED,
+        "strided_norm_stats_cols",
+        samples * plan.ctas_per_sample,
+        (plan.tx, plan.ty),
+        (
+            call.ptr(x),
+            call.ptr(partials),
+            i64(samples),
+            i64(rows),
+            i64(channels),
+            i64(channels),
+            i64(sample_stride),
+            i64(plan.rows_per_cta),
+            i64(plan.ctas_per_sample),
+            np.int32(groups),
+            i64(chans_per_group),
+            np.int32(plan.vectorized),
+        ),
+        smem=smem,
+    )
+    per_set = (
+        plan.ctas_per_sample * chans_per_group if groups > 0 else samples * plan.ctas_per_sample
+    )
+    return partials, per_set
+
+
+def _finalize(
+    call: _Call,
+    partials: Any,
+    num_sets: int,
+    per_set: int,
+    count: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    var: Any,
+) -> None:
+    grid, threads = _plan.finalize_grid(num_sets)
+    call.launch(
+        _STRIDED,
+        "strided_norm_finalize",
+        grid,
+        (threads,),
+        (
+            call.ptr(partials),
+            np.int64(num_sets),
+            np.int64(per_set),
+            np.float64(count),
+            _scalar(call.acc, eps),
+            call.ptr(mean),
+            call.ptr(rstd),
+            call.ptr(var),
+        ),
+    )
+
+
+def _apply(
+    call: _Call,
+    x: Any,
+    y: Any,
+    weight: Any,
+    bias: Any,
+    mean: Any,
+    rstd: Any,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    chans_per_group: int,
+) -> None:
+    """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel)."""
+    i64 = np.int64
+    common = (
+        call.ptr(x),
+        call.ptr(y),
+        call.ptr(weight),
+        call.ptr(bias),
+        call.ptr(mean),
+        call.ptr(rstd),
+    )
+    if layout == "contiguous":
+        plan = _plan.plan_rows_apply(S, call.itemsize, call.aligned(x, y, strides=(S,)))
+        call.launch(
+            _STRIDED,
+            "strided_norm_apply_rows",
+            N * C * plan.tiles_per_plane,
+            (plan.threads,),
+            (
+                *common,
+                i64(C),
+                i64(S),
+                i64(C * S),
+                i64(S),
+                np.int32(groups),
+                i64(chans_per_group),
+                i64(plan.tiles_per_plane),
+                i64(plan.tile_len),
+                np.int32(plan.vectorized),
+            ),
+        )
+    else:
+        samples, rows = (N, S) if groups > 0 else (1, N * S)
+        plan = _plan.plan_cols(
+            samples, rows, C, call.itemsize, call.aligned(x, y, strides=(S * C,)), call.info
+        )
+        call.launch(
+            _STRIDED,
+            "strided_norm_apply_cols",
+            samples * plan.ctas_per_sample,
+            (plan.tx, plan.ty),
+            (
+                *common,
+                i64(rows),
+                i64(C),
+                i64(C),
+                i64(S * C),
+                np.int32(groups),
+                i64(chans_per_group),
+                i64(plan.rows_per_cta),
+                i64(plan.ctas_per_sample),
+                np.int32(plan.vectorized),
+            ),
+        )
+
+
+# ---- group norm (instance norm is group norm with one channel per group) ----------------------
+def group_norm_fwd(
+    x: Any, num_groups: int, weight: Any, bias: Any, eps: float, *, want_var: bool = False
+) -> tuple:
+    """y, mean (N, G), rstd (N, G)[, var (N, G)] of GroupNorm over x (N, C, *spatial)."""
+    call = _Call(x, weight if weight is not None else bias)
+    x, layout = _prepare(x, call.bk)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    G, Cg = num_groups, x.shape[1] // num_groups
+    y = call.bk.empty_strided_like(x)
+    mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
+    var = call.stats((N, G), x) if want_var else None
+    outputs = (y, mean, rstd, var) if want_var else (y, mean, rstd)
+    if N * C * S == 0:
+        for stat in outputs[1:]:
+            call.bk.fill_nan(stat)
+        return outputs
+    if layout == "contiguous":
+        seg_len = Cg * S
+        plan = _plan.plan_segment(seg_len, call.itemsize, call.aligned(x, y), call.info)
+        if plan is not None:
+            call.launch(
+                _SEGMENT,
+                "segment_norm_fwd_affine",
+                N * G * plan.cluster_size,
+                (plan.threads,),
+                (
+                    call.ptr(x),
+                    call.ptr(y),
+                    call.ptr(weight),
+                    call.ptr(bias),
+                    call.ptr(mean),
+                    call.ptr(rstd),
+                    call.ptr(var),
+                    np.int32(seg_len),
+                    np.int32(plan.slice_len),
+                    np.int32(S),
+                    np.int32(Cg),
+                    np.int32(G),
+                    _scalar(call.acc, eps),
+                    np.int32(plan.vectorized),
+                ),
+                smem=plan.smem,
+                cluster_size=plan.cluster_size,
+            )
+            return outputs
+        partials, per_set = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
+    else:
+        partials, per_set = _stats_cols(call, x, N, S, C, S * C, G, Cg)
+    _finalize(call, partials, N * G, per_set, Cg * S, eps, mean, rstd, var)
+    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg)
+    return outputs
+
+
+# ---- batch norm ---------------------------------------------------------------------------
+def batch_norm_fwd(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple:
+    """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial)."""
+    call = _Call(x, weight if weight is not None else bias)
+    x, layout = _prepare(x, call.bk)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    y = call.bk.empty_strided_like(x)
+    if not training:
+        mean = call.bk.astype(running_mean, call.acc)
+        rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
+        if _plan.prod(tuple(x.shape)):
+            _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
+        return y, mean, rstd
+    mean, rstd, var = (call.stats((C,), x) for _ in range(3))
+    count = N * S
+    if count * C == 0:
+        call.bk.fill_nan(mean)
+        call.bk.fill_nan(rstd)
+        return y, mean, rstd
+    if S == 1:
+        layout = "channels_last"  # (N, C): channels innermost, one row per sample
+    if layout == "contiguous":
+        partials, per_set = _stats_rows(call, x, C, N, S, C * S, S)
+    else:
+        partials, per_set = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
+    _finalize(call, partials, C, per_set, count, eps, mean, rstd, var)
+    if running_mean is not None:
+        call.bk.update_running(running_mean, mean, momentum)
+    if running_var is not None:
+        unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
+        call.bk.update_running(running_var, unbiased, momentum)
+    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
+    return y, mean, rstd
+
+
+# ---- the seed-002 tail: row norm, then (xhat + y) * y ---------------------------------------
+def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
+    """out = (xhat + other) * other with xhat the row-normalized x; returns (out, mean, rstd)."""
+    call = _Call(x)
+    x = call.bk.contiguous(x)
+    other = call.bk.contiguous(other)
+    D = x.shape[-1]
+    rows = _plan.prod(tuple(x.shape[:-1]))
+    out = call.bk.empty_strided_like(x)
+    mean, rstd = call.stats(tuple(x.shape[:-1]), x), call.stats(tuple(x.shape[:-1]), x)
+    if rows * D == 0:
+        call.bk.fill_nan(mean)
+        call.bk.fill_nan(rstd)
+        return out, mean, rstd
+    plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, other, out), call.info)
+    if plan is not None:
+        call.launch(
+            _SEGMENT,
+            "segment_norm_fwd_add_mul",
+            rows * plan.cluster_size,
+            (plan.threads,),
+            (
+                call.ptr(x),
+                call.ptr(other),
+                call.ptr(out),
+                call.ptr(mean),
+                call.ptr(rstd),
+                np.int32(D),
+                np.int32(plan.slice_len),
+                _scalar(call.acc, eps),
+                np.int32(plan.vectorized),
+            ),
+            smem=plan.smem,
+            cluster_size=plan.cluster_size,
+        )
+        return out, mean, rstd
+    # rows too long for chip memory: strided statistics, normalize, then the epilogue elementwise
+    partials, per_set = _stats_rows(call, x, rows, 1, D, 0, D)
+    _finalize(call, partials, rows, per_set, D, eps, mean, rstd, None)
+    _apply(
+        call,
+        x.reshape(rows, 1, D),
+        out.reshape(rows, 1, D),
+        None,
+        None,
+        mean,
+        rstd,
+        "contiguous",
+        rows,
+        1,
+        D,
+        1,
+        1,
+    )
+    out += other
+    out *= other
+    return out, mean, rstd

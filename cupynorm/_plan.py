@@ -1,0 +1,202 @@
+"""Planning: which kernel strategy, grid and block a call gets from shape, layout, dtype, device.
+
+Every decision lives here as a named threshold with the reason for it, and every plan is a frozen
+dataclass cached per signature, so the launch code only reads numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+# ---- thresholds ---------------------------------------------------------------------------------
+#: A segment of at most this many bytes is normalized by one CTA holding it in shared memory
+#: (one read, one write). 96 KiB leaves room for two such CTAs per SM on sm_90 (227 KiB opt-in)
+#: and on sm_80 (163 KiB), so one CTA's load overlaps another's store.
+SEGMENT_BLOCK_MAX_BYTES = 96 * 1024
+#: Cluster slices aim at this size: three CTAs of 64 KiB fit on an sm_90 SM, which keeps loads
+#: of one cluster in flight while another writes.
+CLUSTER_SLICE_TARGET_BYTES = 64 * 1024
+#: Largest cluster (16 needs the non-portable cluster size attribute, set by the loader).
+CLUSTER_MAX = 16
+#: Split path: CTAs per SM to aim for, so every SM has loads in flight from several CTAs.
+SPLIT_CTAS_PER_SM = 8
+#: Split path: the fewest elements a statistics CTA reduces (below this, launch cost dominates).
+SPLIT_MIN_ELEMENTS_PER_CTA = 4096
+#: Threads of the 1-D kernels; packs each thread moves per tile of the apply pass.
+BLOCK_THREADS = 256
+PACKS_PER_THREAD = 8
+#: Threads of a columns-layout CTA (TX channel packs x TY rows).
+COLS_THREADS = 256
+COLS_MAX_TX = 64
+#: Warps per CTA of the finalize kernel (one statistic set per warp).
+FINALIZE_WARPS = 8
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    sm_count: int
+    compute_capability: int  # major * 10 + minor
+    smem_optin: int  # dynamic + static shared memory one block may opt into, bytes
+
+
+@functools.cache
+def device_info(device_id: int) -> DeviceInfo:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(device_id)
+    return DeviceInfo(
+        sm_count=props["multiProcessorCount"],
+        compute_capability=props["major"] * 10 + props["minor"],
+        smem_optin=props["sharedMemPerBlockOptin"],
+    )
+
+
+def vec_width(itemsize: int) -> int:
+    """Elements per 16-byte access."""
+    return 16 // itemsize
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# ---- layouts ------------------------------------------------------------------------------------
+def classify_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+    """'contiguous', 'channels_last' (channel innermost, then spatial, batch outermost) or 'other'.
+
+    Strides of size-1 dimensions are ignored, as torch does. Shapes whose two layouts coincide
+    (C == 1 or a single spatial element) are 'contiguous'.
+    """
+
+    def matches(order: list[int]) -> bool:
+        expected = 1
+        for d in reversed(order):  # order lists dims outermost -> innermost
+            if shape[d] != 1 and strides[d] != expected:
+                return False
+            expected *= shape[d]
+        return True
+
+    ndim = len(shape)
+    if matches(list(range(ndim))):
+        return "contiguous"
+    if ndim >= 3 and matches([0, *range(2, ndim), 1]):
+        return "channels_last"
+    return "other"
+
+
+# ---- plans ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SegmentPlan:
+    """On-chip normalization of contiguous segments (segment_norm.cu)."""
+
+    cluster_size: int
+    slice_len: int
+    threads: int
+    smem: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_segment(
+    seg_len: int, itemsize: int, aligned: bool, device: DeviceInfo
+) -> SegmentPlan | None:
+    """The on-chip plan for segments of ``seg_len`` elements, or None when they don't fit."""
+    vec = vec_width(itemsize)
+    vectorized = aligned and seg_len % vec == 0
+    unit = vec if vectorized else 1
+    seg_bytes = seg_len * itemsize
+    smem_budget = device.smem_optin - 1024  # static shared memory of the kernel
+    if seg_bytes <= min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
+        cluster = 1
+    elif device.compute_capability >= 90:
+        cluster = next(
+            (c for c in (2, 4, 8, 16) if seg_bytes <= c * CLUSTER_SLICE_TARGET_BYTES), CLUSTER_MAX
+        )
+        if seg_bytes > cluster * smem_budget:
+            return None
+    else:
+        return None
+    slice_len = round_up(-(-seg_len // cluster), unit)
+    packs = -(-slice_len // unit)
+    threads = min(1024, max(32, round_up(-(-packs // PACKS_PER_THREAD), 32)))
+    return SegmentPlan(cluster, slice_len, threads, round_up(slice_len * itemsize, 16), vectorized)
+
+
+@dataclass(frozen=True)
+class RowsStatsPlan:
+    """Partial statistics over sets of contiguous runs (strided_norm_stats_rows)."""
+
+    chunk: int
+    ctas_per_set: int
+    threads: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_rows_stats(
+    num_sets: int, set_len: int, run_len: int, itemsize: int, aligned: bool, device: DeviceInfo
+) -> RowsStatsPlan:
+    vec = vec_width(itemsize)
+    vectorized = aligned and run_len % vec == 0
+    unit = vec if vectorized else 1
+    want = max(1, -(-device.sm_count * SPLIT_CTAS_PER_SM // num_sets))
+    most = max(1, set_len // SPLIT_MIN_ELEMENTS_PER_CTA)
+    ctas = min(want, most)
+    chunk = round_up(-(-set_len // ctas), unit)
+    return RowsStatsPlan(chunk, -(-set_len // chunk), BLOCK_THREADS, vectorized)
+
+
+@dataclass(frozen=True)
+class RowsApplyPlan:
+    tile_len: int
+    tiles_per_plane: int
+    threads: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_rows_apply(plane_len: int, itemsize: int, aligned: bool) -> RowsApplyPlan:
+    vec = vec_width(itemsize)
+    vectorized = aligned and plane_len % vec == 0
+    unit = vec if vectorized else 1
+    packs = -(-plane_len // unit)
+    threads = min(BLOCK_THREADS, max(32, round_up(packs, 32)))
+    tile_len = threads * unit * PACKS_PER_THREAD
+    return RowsApplyPlan(tile_len, max(1, -(-plane_len // tile_len)), threads, vectorized)
+
+
+@dataclass(frozen=True)
+class ColsPlan:
+    """Channel-innermost passes (strided_norm_stats_cols / _apply_cols)."""
+
+    tx: int
+    ty: int
+    rows_per_cta: int
+    ctas_per_sample: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_cols(
+    samples: int, rows: int, channels: int, itemsize: int, aligned: bool, device: DeviceInfo
+) -> ColsPlan:
+    vec = vec_width(itemsize)
+    vectorized = aligned and channels % vec == 0
+    packs = channels // vec if vectorized else channels
+    tx = min(packs, COLS_MAX_TX)
+    ty = max(1, COLS_THREADS // tx)
+    want = max(1, -(-device.sm_count * SPLIT_CTAS_PER_SM // samples))
+    ctas = max(1, min(want, -(-rows // (4 * ty))))
+    rows_per_cta = -(-rows // ctas)
+    return ColsPlan(tx, ty, rows_per_cta, -(-rows // rows_per_cta), vectorized)
+
+
+def finalize_grid(num_sets: int) -> tuple[int, int]:
+    """(CTAs, threads) of the finalize kernel."""
+    return -(-num_sets // FINALIZE_WARPS), 32 * FINALIZE_WARPS
+
+
+def prod(values: tuple[int, ...]) -> int:
+    return math.prod(values)

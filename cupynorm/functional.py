@@ -1,0 +1,225 @@
+"""The functional API: ``torch.nn.functional`` semantics on CuPy arrays, torch tensors and DLPack.
+
+``input`` may be a CuPy array, a torch CUDA tensor or any object with ``__dlpack__`` (JAX, ...);
+the result has the caller's type on the caller's device, with no copy at the boundary. Torch
+tensors that require grad go through the autograd-aware ops of :mod:`cupynorm.torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _ops, _validate
+from ._interop import is_torch_tensor
+
+__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+
+
+def _is_foreign(x: Any) -> bool:
+    """Neither torch nor CuPy, but exchangeable through DLPack."""
+    if x is None or is_torch_tensor(x):
+        return False
+    return type(x).__module__.split(".")[0] not in ("cupy", "numpy") and hasattr(x, "__dlpack__")
+
+
+def _to_cupy(x: Any) -> Any:
+    import cupy
+
+    return cupy.from_dlpack(x)
+
+
+def _from_cupy(result: Any, like: Any) -> Any:
+    """Hand a CuPy result back in the type of ``like`` (its array namespace's from_dlpack)."""
+    namespace = getattr(like, "__array_namespace__", None)
+    if namespace is None:
+        return result
+    return namespace().from_dlpack(result)
+
+
+def _wants_grad(*tensors: Any) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and any(
+        t is not None and is_torch_tensor(t) and t.requires_grad for t in tensors
+    )
+
+
+def group_norm(
+    input: Any, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5
+) -> Any:
+    r"""Group normalization over (N, C, \*spatial): statistics per sample and group of channels.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    with mean and biased variance over the C / num_groups channels and all spatial positions of
+    each group, and per-channel weight :math:`\gamma` and bias :math:`\beta` (optional).
+
+    Args:
+        input: (N, C, \*spatial) array, float32/float64/float16/bfloat16, contiguous or
+            channels_last (other strides are copied to contiguous first).
+        num_groups: number of groups; must divide C.
+        weight, bias: optional (C,) arrays, the input's dtype or float32.
+        eps: added to the variance.
+
+    Returns:
+        The normalized array: same type, shape, dtype, device and memory format as ``input``.
+
+    Example:
+        >>> x = cupy.random.randn(8, 64, 32, 32, dtype=cupy.float32)
+        >>> y = cupynorm.group_norm(x, 8)
+    """
+    if _is_foreign(input):
+        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
+        return _from_cupy(group_norm(_to_cupy(input), num_groups, w, b, eps), input)
+    _validate.check_group_norm(input, num_groups, weight, bias, eps)
+    if is_torch_tensor(input) and _wants_grad(input, weight, bias):
+        from . import torch as cn_torch
+
+        return cn_torch.group_norm(input, num_groups, weight, bias, eps)
+    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps)[0]
+
+
+def instance_norm(
+    input: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    weight: Any = None,
+    bias: Any = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    r"""Instance normalization: statistics per sample and channel over the spatial dimensions.
+
+    ``use_input_stats=True`` normalizes with each instance's own mean and biased variance and, if
+    running stats are given, updates them in place with the batch mean of the instance means and
+    unbiased variances: ``r = (1 - momentum) * r + momentum * stat``. ``use_input_stats=False``
+    normalizes with the running statistics.
+
+    Args:
+        input: (N, C, \*spatial) array with at least one spatial element per instance.
+        running_mean, running_var: optional (C,) arrays, CuPy or torch (updated in place).
+        weight, bias: optional (C,) arrays.
+        use_input_stats: use the instance statistics (True) or the running ones (False).
+        momentum: weight of the new statistics in the running update.
+        eps: added to the variance.
+
+    Returns:
+        The normalized array, same type, shape, dtype and memory format as ``input``.
+    """
+    if _is_foreign(input):
+        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
+        out = instance_norm(
+            _to_cupy(input), running_mean, running_var, w, b, use_input_stats, momentum, eps
+        )
+        return _from_cupy(out, input)
+    _validate.check_instance_norm(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+    if is_torch_tensor(input) and _wants_grad(input, weight, bias):
+        from . import torch as cn_torch
+
+        return cn_torch.instance_norm(
+            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+        )
+    if not use_input_stats:
+        return _ops.batch_norm_fwd(
+            input, weight, bias, running_mean, running_var, False, momentum, eps
+        )[0]
+    C = input.shape[1]
+    y, mean, _, var = _ops.group_norm_fwd(input, C, weight, bias, eps, want_var=True)
+    update_instance_running_stats(input, mean, var, running_mean, running_var, momentum)
+    return y
+
+
+def update_instance_running_stats(
+    input: Any, mean: Any, var: Any, running_mean: Any, running_var: Any, momentum: float
+) -> None:
+    """Running update from per-instance (N, C) mean and biased var, as torch's instance_norm."""
+    from ._interop import backend_of
+
+    if running_mean is None and running_var is None:
+        return
+    bk = backend_of(input)
+    spatial = 1
+    for d in input.shape[2:]:
+        spatial *= d
+    if running_mean is not None:
+        bk.update_running(running_mean, bk.mean0(mean), momentum)
+    if running_var is not None:
+        bk.update_running(running_var, bk.mean0(var) * (spatial / (spatial - 1)), momentum)
+
+
+def batch_norm(
+    input: Any,
+    running_mean: Any,
+    running_var: Any,
+    weight: Any = None,
+    bias: Any = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Any:
+    r"""Batch normalization: statistics per channel over the batch and spatial dimensions.
+
+    ``training=True`` normalizes with the batch mean and biased variance and updates the running
+    stats in place with the unbiased variance, ``r = (1 - momentum) * r + momentum * stat``;
+    ``training=False`` normalizes with the running statistics.
+
+    Args:
+        input: (N, C, \*spatial) array.
+        running_mean, running_var: (C,) arrays or None (None allowed only when training).
+        weight, bias: optional (C,) arrays.
+        training: batch statistics (True) or running statistics (False).
+        momentum: weight of the batch statistics in the running update.
+        eps: added to the variance.
+
+    Returns:
+        The normalized array, same type, shape, dtype and memory format as ``input``.
+    """
+    if _is_foreign(input):
+        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
+        out = batch_norm(_to_cupy(input), running_mean, running_var, w, b, training, momentum, eps)
+        return _from_cupy(out, input)
+    _validate.check_batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps
+    )
+    if is_torch_tensor(input) and _wants_grad(input, weight, bias):
+        from . import torch as cn_torch
+
+        return cn_torch.batch_norm(
+            input, running_mean, running_var, weight, bias, training, momentum, eps
+        )
+    return _ops.batch_norm_fwd(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )[0]
+
+
+def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
+    r"""The fused tail of a Linear + InstanceNorm + residual block, in one kernel.
+
+    For each row of the last dimension (D features):
+
+    .. math::
+        \hat x = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}}, \qquad
+        \text{out} = (\hat x + y) \cdot y
+
+    (biased variance). One read of x and y and one write of the output when a row fits on chip.
+
+    Args:
+        x, y: arrays of the same shape (..., D) and dtype.
+        eps: added to the variance.
+
+    Returns:
+        ``out`` of x's shape, type and dtype.
+    """
+    if _is_foreign(x):
+        other = _to_cupy(y) if _is_foreign(y) else y
+        return _from_cupy(row_norm_add_mul(_to_cupy(x), other, eps), x)
+    _validate.check_row_norm_add_mul(x, y, eps)
+    if is_torch_tensor(x) and _wants_grad(x, y):
+        from . import torch as cn_torch
+
+        return cn_torch.row_norm_add_mul(x, y, eps)
+    return _ops.row_norm_add_mul_fwd(x, y, eps)[0]

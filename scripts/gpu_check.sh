@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The GPU check in one command: the GPU test suite, then the quick timing of the seed workloads.
+# Runs from the source tree with the machine's python3 (torch + cupy already installed there).
+# Logs go to $OUT when set (the device machine's output folder), else to ./gpu_check_logs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu_check_logs}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupynorm-kernel-cache}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/gpu.txt"
+python3 -m pytest -q -m "gpu" -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest.log"
+tests_rc=${PIPESTATUS[0]}
+python3 scripts/quick_timing.py ${TIMING_ARGS:-} 2>&1 | tee "$out/timing.log"
+timing_rc=${PIPESTATUS[0]}
+echo "gpu tests exit $tests_rc, timing exit $timing_rc"
+exit $(( tests_rc != 0 || timing_rc != 0 ))

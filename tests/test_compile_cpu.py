@@ -1,0 +1,80 @@
+"""Every CUDA source compiles under NVRTC for sm_80 and sm_90, with no GPU and no CUDA headers.
+
+Also pins the compile-cache key: a change to any header changes the source hash that goes into
+the options, so CuPy's disk cache cannot hand back a stale binary.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from cupy.cuda import nvrtc  # works without a GPU or driver: NVRTC is a plain library
+
+from cupynorm import _compile
+
+VARIANTS = [
+    (source, dtype, arch, cluster)
+    for source in _compile.SOURCE_FILES
+    for dtype in _compile.CTYPES
+    for arch, cluster in (
+        ("compute_80", 1),
+        ("compute_90", 1),
+        ("compute_90", 8),
+        ("compute_90", 16),
+    )
+    if cluster == 1 or source == "segment_norm.cu"
+]
+
+
+def _compile_ptx(source: str, options: tuple[str, ...], arch: str) -> str:
+    program = nvrtc.createProgram(_compile.read_source(source), source, [], [])
+    try:
+        nvrtc.compileProgram(program, [*options, f"-arch={arch}"])
+    except nvrtc.NVRTCError as error:
+        log = nvrtc.getProgramLog(program)
+        raise AssertionError(f"{source} failed to compile:\n{log}") from error
+    ptx = nvrtc.getPTX(program)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@pytest.mark.parametrize(
+    "source,dtype,arch,cluster",
+    VARIANTS,
+    ids=[f"{s}-{d}-{a}-cluster{c}" for s, d, a, c in VARIANTS],
+)
+def test_sources_compile(source: str, dtype: str, arch: str, cluster: int) -> None:
+    ptx = _compile_ptx(source, _compile.compile_options(dtype, cluster), arch)
+    assert ".entry" in ptx
+    if cluster > 1:
+        assert f".reqnctapercluster {cluster}" in ptx
+
+
+def test_mixed_precision_params_compile() -> None:
+    ptx = _compile_ptx(
+        "strided_norm.cu", _compile.compile_options("float16", 1, "float32"), "compute_80"
+    )
+    assert "strided_norm_apply_rows" in ptx
+
+
+def test_source_hash_covers_headers(tmp_path, monkeypatch) -> None:
+    copy = tmp_path / "cuda_src"
+    shutil.copytree(_compile.source_dir(), copy)
+    monkeypatch.setattr(_compile, "source_dir", lambda: copy)
+    _compile.source_hash.cache_clear()
+    try:
+        before = _compile.source_hash()
+        options_before = _compile.compile_options("float32")
+        with open(copy / "common.cuh", "a") as header:
+            header.write("\n// a change in a header only\n")
+        _compile.source_hash.cache_clear()
+        assert _compile.source_hash() != before
+        assert _compile.compile_options("float32") != options_before
+    finally:
+        _compile.source_hash.cache_clear()
+
+
+def test_sources_found_in_checkout() -> None:
+    directory = _compile.source_dir()
+    for name in _compile.SOURCE_FILES:
+        assert (directory / name).is_file()

@@ -1,0 +1,69 @@
+"""Layout classification and strategy planning (pure functions of shapes and device limits)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cupynorm import _plan
+
+H200 = _plan.DeviceInfo(sm_count=132, compute_capability=90, smem_optin=232448)
+A100 = _plan.DeviceInfo(sm_count=108, compute_capability=80, smem_optin=166912)
+
+
+@pytest.mark.parametrize(
+    "shape,memory_format,expected",
+    [
+        ((2, 3, 4, 5), torch.contiguous_format, "contiguous"),
+        ((2, 3, 4, 5), torch.channels_last, "channels_last"),
+        ((2, 3, 4, 5, 6), torch.channels_last_3d, "channels_last"),
+        ((2, 3, 1, 1), torch.channels_last, "contiguous"),  # the two layouts coincide
+        ((2, 3), torch.contiguous_format, "contiguous"),
+        ((2, 3, 7), torch.contiguous_format, "contiguous"),
+    ],
+)
+def test_classify_layout(shape, memory_format, expected) -> None:
+    x = torch.empty(shape).to(memory_format=memory_format)
+    assert _plan.classify_layout(tuple(x.shape), x.stride()) == expected
+
+
+def test_classify_strided_is_other() -> None:
+    x = torch.empty(2, 6, 4, 5)[:, ::2]
+    assert _plan.classify_layout(tuple(x.shape), x.stride()) == "other"
+    t = torch.empty(2, 5, 4).transpose(1, 2)  # (N, C, L) with C innermost: channels last 1d
+    assert _plan.classify_layout(tuple(t.shape), t.stride()) == "channels_last"
+
+
+def test_segment_plan_block() -> None:
+    plan = _plan.plan_segment(8192, 4, True, H200)  # one seed-002 row, fp32: 32 KiB
+    assert plan is not None and plan.cluster_size == 1 and plan.vectorized
+    assert plan.smem == 8192 * 4 and plan.threads % 32 == 0
+
+
+def test_segment_plan_cluster_on_hopper_only() -> None:
+    plan = _plan.plan_segment(512 * 512, 4, True, H200)  # an InstanceNorm plane, 1 MiB
+    assert plan is not None and plan.cluster_size == 16
+    assert plan.slice_len * plan.cluster_size >= 512 * 512
+    assert plan.smem <= H200.smem_optin
+    assert _plan.plan_segment(512 * 512, 4, True, A100) is None
+
+
+def test_segment_plan_too_large() -> None:
+    assert _plan.plan_segment(8 * 512 * 512, 4, True, H200) is None  # GroupNorm(8) of 64 ch
+
+
+def test_segment_plan_unaligned_is_scalar() -> None:
+    plan = _plan.plan_segment(7 * 13, 4, True, H200)
+    assert plan is not None and not plan.vectorized and plan.slice_len == 91
+
+
+def test_rows_stats_plan_covers_set() -> None:
+    plan = _plan.plan_rows_stats(64, 64 * 512 * 512, 512 * 512, 4, True, H200)
+    assert plan.chunk * plan.ctas_per_set >= 64 * 512 * 512
+    assert plan.chunk % 4 == 0 and plan.ctas_per_set * 64 >= H200.sm_count
+
+
+def test_cols_plan() -> None:
+    plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200)
+    assert plan.vectorized and plan.tx == 40 and plan.tx * plan.ty <= 256
+    assert plan.rows_per_cta * plan.ctas_per_sample >= 64 * 64
