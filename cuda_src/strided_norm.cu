@@ -177,128 +177,397 @@ extern "C" __global__ void strided_norm_finalize(const acc_t* __restrict__ parti
 }
 
 // ------------------------------------------------------------------------------------------------
-// apply: y = (x - mean[k]) * a + b, a = rstd[k] * weight[c], b = bias[c].
-struct Affine {
-    acc_t mean, a, b;
+// apply (elementwise), forward and backward in one body:
+//   forward:   y  = (x - mean[k]) * a + b,                  a = rstd[k] * weight[c], b = bias[c]
+//   backward:  dx = (x - mean[k]) * u[k] + v[k] + dy * g,   g = rstd[k] * weight[c]
+// (u, v from strided_norm_bwd_finalize; see there for the derivation).
+struct Coeffs {
+    acc_t mean, a, b, g;
 };
 
-__device__ __forceinline__ Affine affine_of(int64 n, int64 c, const param_t* __restrict__ weight,
+template <bool BACKWARD>
+__device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __restrict__ weight,
                                             const param_t* __restrict__ bias,
                                             const acc_t* __restrict__ mean,
-                                            const acc_t* __restrict__ rstd, int groups,
+                                            const acc_t* __restrict__ rstd,
+                                            const acc_t* __restrict__ u,
+                                            const acc_t* __restrict__ v, int groups,
                                             int64 chans_per_group) {
     const int64 k = groups > 0 ? n * groups + c / chans_per_group : c;
-    Affine f;
+    const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
+    Coeffs f;
     f.mean = mean[k];
-    f.a = weight != nullptr ? rstd[k] * to_acc(weight[c]) : rstd[k];
-    f.b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+    if (BACKWARD) {
+        f.a = u[k];
+        f.b = v[k];
+        f.g = rstd[k] * w;
+    } else {
+        f.a = rstd[k] * w;
+        f.b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+        f.g = acc_t(0);
+    }
     return f;
 }
 
-// rows layout. Grid (1-D): N * C * tiles_per_plane CTAs, each normalizing tile_len (a multiple of
-// V) elements of one plane.
-template <int V>
-__device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x, scalar_t* __restrict__ y,
+template <int V, bool BACKWARD>
+__device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& dy, const Coeffs* f) {
+    Pack<V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        const Coeffs& c = f[e];
+        acc_t r = (to_acc(x.v[e]) - c.mean) * c.a + c.b;
+        if (BACKWARD) r += to_acc(dy.v[e]) * c.g;
+        out.v[e] = from_acc<scalar_t>(r);
+    }
+    return out;
+}
+
+// rows layout. Grid (1-D): N * C * tiles_per_plane CTAs, each covering tile_len (a multiple of V)
+// elements of one plane.
+template <int V, bool BACKWARD>
+__device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
+                                           const scalar_t* __restrict__ dy,
+                                           scalar_t* __restrict__ out,
                                            const param_t* __restrict__ weight,
                                            const param_t* __restrict__ bias,
                                            const acc_t* __restrict__ mean,
-                                           const acc_t* __restrict__ rstd, int64 C, int64 S,
-                                           int64 sample_stride, int64 chan_stride, int groups,
-                                           int64 chans_per_group, int64 tiles_per_plane,
-                                           int64 tile_len) {
+                                           const acc_t* __restrict__ rstd,
+                                           const acc_t* __restrict__ u, const acc_t* __restrict__ v,
+                                           int64 C, int64 S, int64 sample_stride, int64 chan_stride,
+                                           int groups, int64 chans_per_group,
+                                           int64 tiles_per_plane, int64 tile_len) {
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
-    const Affine f = affine_of(n, c, weight, bias, mean, rstd, groups, chans_per_group);
+    Coeffs f[V];
+    f[0] = coeffs_of<BACKWARD>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
+#pragma unroll
+    for (int e = 1; e < V; ++e) f[e] = f[0];
     const int64 offset = n * sample_stride + c * chan_stride;
-    const scalar_t* __restrict__ xp = x + offset;
-    scalar_t* __restrict__ yp = y + offset;
     const int64 q_end = min(tile_len * (tile + 1), S) / V;
     const int64 step = blockDim.x;
     int64 q = tile * tile_len / V + threadIdx.x;
     for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
-        Pack<V> p[UNROLL];
+        Pack<V> p[UNROLL], g[UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) p[u] = load_pack<V>(xp, q + u * step);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-            for (int e = 0; e < V; ++e) p[u].v[e] = from_acc<scalar_t>((to_acc(p[u].v[e]) - f.mean) * f.a + f.b);
-            store_pack<V>(yp, q + u * step, p[u]);
+        for (int i = 0; i < UNROLL; ++i) {
+            p[i] = load_pack<V>(x + offset, q + i * step);
+            if (BACKWARD) g[i] = load_pack<V>(dy + offset, q + i * step);
         }
+#pragma unroll
+        for (int i = 0; i < UNROLL; ++i)
+            store_pack<V>(out + offset, q + i * step, apply_pack<V, BACKWARD>(p[i], g[i], f));
     }
     for (; q < q_end; q += step) {
-        Pack<V> p = load_pack<V>(xp, q);
-#pragma unroll
-        for (int e = 0; e < V; ++e) p.v[e] = from_acc<scalar_t>((to_acc(p.v[e]) - f.mean) * f.a + f.b);
-        store_pack<V>(yp, q, p);
+        const Pack<V> p = load_pack<V>(x + offset, q);
+        Pack<V> g;
+        if (BACKWARD) g = load_pack<V>(dy + offset, q);
+        store_pack<V>(out + offset, q, apply_pack<V, BACKWARD>(p, g, f));
     }
 }
 
-extern "C" __global__ void strided_norm_apply_rows(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,
-    int64 C, int64 S, int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,
-    int64 tiles_per_plane, int64 tile_len, int vectorized) {
+#define APPLY_ROWS_ARGS                                                                         \
+    x, dy, out, weight, bias, mean, rstd, u, v, C, S, sample_stride, chan_stride, groups,       \
+        chans_per_group, tiles_per_plane, tile_len
+#define APPLY_ROWS_PARAMS                                                                       \
+    const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
+        const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
+        const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
+        const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 C, int64 S,             \
+        int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
+        int64 tiles_per_plane, int64 tile_len, int vectorized
+
+extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
     if (vectorized)
-        apply_rows<VEC>(x, y, weight, bias, mean, rstd, C, S, sample_stride, chan_stride, groups,
-                        chans_per_group, tiles_per_plane, tile_len);
+        apply_rows<VEC, false>(APPLY_ROWS_ARGS);
     else
-        apply_rows<1>(x, y, weight, bias, mean, rstd, C, S, sample_stride, chan_stride, groups,
-                      chans_per_group, tiles_per_plane, tile_len);
+        apply_rows<1, false>(APPLY_ROWS_ARGS);
+}
+
+extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
+    if (vectorized)
+        apply_rows<VEC, true>(APPLY_ROWS_ARGS);
+    else
+        apply_rows<1, true>(APPLY_ROWS_ARGS);
 }
 
 // columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs.
-template <int V>
-__device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x, scalar_t* __restrict__ y,
+template <int V, bool BACKWARD>
+__device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
+                                           const scalar_t* __restrict__ dy,
+                                           scalar_t* __restrict__ out,
                                            const param_t* __restrict__ weight,
                                            const param_t* __restrict__ bias,
                                            const acc_t* __restrict__ mean,
-                                           const acc_t* __restrict__ rstd, int64 R, int64 C,
-                                           int64 row_stride, int64 sample_stride, int groups,
-                                           int64 chans_per_group, int64 rows_per_cta,
+                                           const acc_t* __restrict__ rstd,
+                                           const acc_t* __restrict__ u, const acc_t* __restrict__ v,
+                                           int64 R, int64 C, int64 row_stride, int64 sample_stride,
+                                           int groups, int64 chans_per_group, int64 rows_per_cta,
                                            int64 ctas_per_n) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int64 r0 = chunk * rows_per_cta, r1 = min(r0 + rows_per_cta, R);
-    const int TX = blockDim.x, TY = blockDim.y;
+    const int TY = blockDim.y;
     const int64 n_packs = C / V;
-    for (int64 cp = threadIdx.x; cp < n_packs; cp += TX) {
-        Affine f[V];
+    const int64 base = n * sample_stride;
+    for (int64 cp = threadIdx.x; cp < n_packs; cp += blockDim.x) {
+        Coeffs f[V];
 #pragma unroll
         for (int e = 0; e < V; ++e)
-            f[e] = affine_of(n, cp * V + e, weight, bias, mean, rstd, groups, chans_per_group);
+            f[e] = coeffs_of<BACKWARD>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
+                                       chans_per_group);
         int64 r = r0 + threadIdx.y;
         for (; r + (UNROLL - 1) * TY < r1; r += UNROLL * TY) {
-            Pack<V> p[UNROLL];
+            Pack<V> p[UNROLL], g[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                p[u] = load_pack<V>(x + n * sample_stride + (r + u * TY) * row_stride, cp);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-                for (int e = 0; e < V; ++e)
-                    p[u].v[e] = from_acc<scalar_t>((to_acc(p[u].v[e]) - f[e].mean) * f[e].a + f[e].b);
-                store_pack<V>(y + n * sample_stride + (r + u * TY) * row_stride, cp, p[u]);
+            for (int i = 0; i < UNROLL; ++i) {
+                p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
+                if (BACKWARD) g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
             }
+#pragma unroll
+            for (int i = 0; i < UNROLL; ++i)
+                store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
+                              apply_pack<V, BACKWARD>(p[i], g[i], f));
         }
         for (; r < r1; r += TY) {
-            Pack<V> p = load_pack<V>(x + n * sample_stride + r * row_stride, cp);
-#pragma unroll
-            for (int e = 0; e < V; ++e)
-                p.v[e] = from_acc<scalar_t>((to_acc(p.v[e]) - f[e].mean) * f[e].a + f[e].b);
-            store_pack<V>(y + n * sample_stride + r * row_stride, cp, p);
+            const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
+            Pack<V> g;
+            if (BACKWARD) g = load_pack<V>(dy + base + r * row_stride, cp);
+            store_pack<V>(out + base + r * row_stride, cp, apply_pack<V, BACKWARD>(p, g, f));
         }
     }
 }
 
-extern "C" __global__ void strided_norm_apply_cols(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,
-    int64 R, int64 C, int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,
-    int64 rows_per_cta, int64 ctas_per_n, int vectorized) {
+#define APPLY_COLS_ARGS                                                                          \
+    x, dy, out, weight, bias, mean, rstd, u, v, R, C, row_stride, sample_stride, groups,         \
+        chans_per_group, rows_per_cta, ctas_per_n
+#define APPLY_COLS_PARAMS                                                                        \
+    const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
+        const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
+        const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
+        const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 R, int64 C,             \
+        int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
+        int64 rows_per_cta, int64 ctas_per_n, int vectorized
+
+extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
     if (vectorized)
-        apply_cols<VEC>(x, y, weight, bias, mean, rstd, R, C, row_stride, sample_stride, groups,
-                        chans_per_group, rows_per_cta, ctas_per_n);
+        apply_cols<VEC, false>(APPLY_COLS_ARGS);
     else
-        apply_cols<1>(x, y, weight, bias, mean, rstd, R, C, row_stride, sample_stride, groups,
-                      chans_per_group, rows_per_cta, ctas_per_n);
+        apply_cols<1, false>(APPLY_COLS_ARGS);
+}
+
+extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
+    if (vectorized)
+        apply_cols<VEC, true>(APPLY_COLS_ARGS);
+    else
+        apply_cols<1, true>(APPLY_COLS_ARGS);
+}
+
+// ------------------------------------------------------------------------------------------------
+// backward. With xhat = (x - mean) * rstd, y = xhat * w_c + b_c and L elements per statistic set:
+//   dL/dxhat_i = w_c dy_i
+//   dx_i = rstd * (w_c dy_i - P / L - (x_i - mean) * rstd^2 * Q / L)
+//        = (x_i - mean) * u + v + dy_i * rstd * w_c,   u = -rstd^3 Q / L,  v = -rstd P / L
+//   P = sum_i w_c dy_i,  Q = sum_i w_c dy_i (x_i - mean)     (sums over the set)
+//   dweight_c = sum over the channel's elements of dy * xhat,  dbias_c = sum of dy
+// Pass 1 (bwd_sums_*) reduces, per plane (n, c) and tile t, sdy = sum dy and sdx = sum dy (x - mean)
+// (x - mean, not x: no cancellation on offset data) into partials[(n*C + c)*T + t]. Pass 2
+// (bwd_finalize) merges them in a fixed order into dweight, dbias, u, v. Pass 3 is bwd_dx_*.
+// In eval mode (constant statistics) u = v = 0.
+
+// rows layout, grid as apply_rows: one partial per (plane, tile).
+template <int V>
+__device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
+                                              const scalar_t* __restrict__ dy,
+                                              const acc_t* __restrict__ mean,
+                                              acc_t* __restrict__ partials, int64 C, int64 S,
+                                              int64 sample_stride, int64 chan_stride, int groups,
+                                              int64 chans_per_group, int64 tiles_per_plane,
+                                              int64 tile_len) {
+    __shared__ acc_t scratch[33];
+    const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
+    const int64 n = plane / C, c = plane % C;
+    const acc_t m = mean[groups > 0 ? n * groups + c / chans_per_group : c];
+    const int64 offset = n * sample_stride + c * chan_stride;
+    const int64 q_end = min(tile_len * (tile + 1), S) / V;
+    const int64 step = blockDim.x;
+    acc_t sdy = 0, sdx = 0;
+    int64 q = tile * tile_len / V + threadIdx.x;
+    for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
+        Pack<V> p[UNROLL], g[UNROLL];
+#pragma unroll
+        for (int i = 0; i < UNROLL; ++i) {
+            p[i] = load_pack<V>(x + offset, q + i * step);
+            g[i] = load_pack<V>(dy + offset, q + i * step);
+        }
+#pragma unroll
+        for (int i = 0; i < UNROLL; ++i)
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                const acc_t d = to_acc(g[i].v[e]);
+                sdy += d;
+                sdx += d * (to_acc(p[i].v[e]) - m);
+            }
+    }
+    for (; q < q_end; q += step) {
+        const Pack<V> p = load_pack<V>(x + offset, q), g = load_pack<V>(dy + offset, q);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            const acc_t d = to_acc(g.v[e]);
+            sdy += d;
+            sdx += d * (to_acc(p.v[e]) - m);
+        }
+    }
+    sdy = block_sum(sdy, scratch);
+    sdx = block_sum(sdx, scratch);
+    if (threadIdx.x == 0) {
+        partials[2 * blockIdx.x + 0] = sdy;  // blockIdx.x == plane * T + tile
+        partials[2 * blockIdx.x + 1] = sdx;
+    }
+}
+
+extern "C" __global__ void strided_norm_bwd_sums_rows(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
+    acc_t* __restrict__ partials, int64 C, int64 S, int64 sample_stride, int64 chan_stride,
+    int groups, int64 chans_per_group, int64 tiles_per_plane, int64 tile_len, int vectorized) {
+    if (vectorized)
+        bwd_sums_rows<VEC>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
+                           chans_per_group, tiles_per_plane, tile_len);
+    else
+        bwd_sums_rows<1>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
+                         chans_per_group, tiles_per_plane, tile_len);
+}
+
+// columns layout, grid and block as apply_cols: one partial per (n, c, chunk), T = ctas_per_n.
+// Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
+template <int V>
+__device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
+                                              const scalar_t* __restrict__ dy,
+                                              const acc_t* __restrict__ mean,
+                                              acc_t* __restrict__ partials, int64 R, int64 C,
+                                              int64 row_stride, int64 sample_stride, int groups,
+                                              int64 chans_per_group, int64 rows_per_cta,
+                                              int64 ctas_per_n) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    acc_t* sums = reinterpret_cast<acc_t*>(smem_raw);
+    const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
+    const int64 r0 = chunk * rows_per_cta, r1 = min(r0 + rows_per_cta, R);
+    const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
+    const int64 n_packs = C / V;
+    const int64 base = n * sample_stride;
+    for (int64 tile = 0; tile < n_packs; tile += TX) {
+        const int64 cp = tile + tx;
+        acc_t sdy[V], sdx[V], m[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) sdy[e] = sdx[e] = m[e] = acc_t(0);
+        if (cp < n_packs) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+                const int64 c = cp * V + e;
+                m[e] = mean[groups > 0 ? n * groups + c / chans_per_group : c];
+            }
+            int64 r = r0 + ty;
+            for (; r < r1; r += TY) {
+                const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
+                const Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    const acc_t d = to_acc(g.v[e]);
+                    sdy[e] += d;
+                    sdx[e] += d * (to_acc(p.v[e]) - m[e]);
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+            sums[2 * ((ty * TX + tx) * V + e) + 0] = sdy[e];
+            sums[2 * ((ty * TX + tx) * V + e) + 1] = sdx[e];
+        }
+        __syncthreads();
+        if (ty == 0 && cp < n_packs) {
+            for (int e = 0; e < V; ++e) {
+                acc_t a = 0, b = 0;
+                for (int t = 0; t < TY; ++t) {
+                    a += sums[2 * ((t * TX + tx) * V + e) + 0];
+                    b += sums[2 * ((t * TX + tx) * V + e) + 1];
+                }
+                const int64 slot = (n * C + cp * V + e) * ctas_per_n + chunk;
+                partials[2 * slot + 0] = a;
+                partials[2 * slot + 1] = b;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void strided_norm_bwd_sums_cols(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
+    acc_t* __restrict__ partials, int64 R, int64 C, int64 row_stride, int64 sample_stride,
+    int groups, int64 chans_per_group, int64 rows_per_cta, int64 ctas_per_n, int vectorized) {
+    if (vectorized)
+        bwd_sums_cols<VEC>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
+                           chans_per_group, rows_per_cta, ctas_per_n);
+    else
+        bwd_sums_cols<1>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
+                         chans_per_group, rows_per_cta, ctas_per_n);
+}
+
+// Pass 2. partials[(n*C + c)*T + t] for n < NP (NP = 1 when the columns pass folded the batch).
+// Warps 0 .. C-1: dweight[c], dbias[c]; warps C .. C+K-1: u[k], v[k]. Each warp's lanes take items
+// lane, lane+32, ... in order, then a fixed shuffle tree: bitwise reproducible.
+extern "C" __global__ void strided_norm_bwd_finalize(
+    const acc_t* __restrict__ partials, int64 NP, int64 C, int64 T, const acc_t* __restrict__ rstd,
+    const param_t* __restrict__ weight, int groups, int64 chans_per_group, int64 K, double count,
+    int training, acc_t* __restrict__ dweight, acc_t* __restrict__ dbias, acc_t* __restrict__ u,
+    acc_t* __restrict__ v) {
+    const int64 warp = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x & 31;
+    if (warp < C) {
+        if (dweight == nullptr && dbias == nullptr) return;
+        const int64 c = warp;
+        acc_t dw = 0, db = 0;
+        for (int64 j = lane; j < NP * T; j += 32) {
+            const int64 n = j / T, t = j % T;
+            const acc_t* p = partials + 2 * ((n * C + c) * T + t);
+            const int64 k = groups > 0 ? n * groups + c / chans_per_group : c;
+            db += p[0];
+            dw += rstd[k] * p[1];
+        }
+        dw = warp_sum(dw);
+        db = warp_sum(db);
+        if (lane == 0) {
+            if (dweight != nullptr) dweight[c] = dw;
+            if (dbias != nullptr) dbias[c] = db;
+        }
+        return;
+    }
+    const int64 k = warp - C;
+    if (k >= K || u == nullptr) return;
+    acc_t P = 0, Q = 0;
+    if (groups > 0) {  // set (n, g): channels g*Cg .. of sample n
+        const int64 n = k / groups, c0 = (k % groups) * chans_per_group;
+        for (int64 j = lane; j < chans_per_group * T; j += 32) {
+            const int64 c = c0 + j / T, t = j % T;
+            const acc_t* p = partials + 2 * ((n * C + c) * T + t);
+            const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
+            P += w * p[0];
+            Q += w * p[1];
+        }
+    } else {  // set c: every sample
+        const int64 c = k;
+        for (int64 j = lane; j < NP * T; j += 32) {
+            const int64 n = j / T, t = j % T;
+            const acc_t* p = partials + 2 * ((n * C + c) * T + t);
+            P += p[0];
+            Q += p[1];
+        }
+        const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
+        P *= w;
+        Q *= w;
+    }
+    P = warp_sum(P);
+    Q = warp_sum(Q);
+    if (lane == 0) {
+        const acc_t r = rstd[k], L = static_cast<acc_t>(count);
+        u[k] = training ? -r * r * r * Q / L : acc_t(0);
+        v[k] = training ? -r * P / L : acc_t(0);
+    }
 }

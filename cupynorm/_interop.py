@@ -80,6 +80,13 @@ class TorchBackend:
     def fill_nan(self, x: Any) -> None:
         x.fill_(float("nan"))
 
+    def fill_zero(self, x: Any) -> None:
+        x.zero_()
+
+    @staticmethod
+    def copy_into(dst: Any, src: Any) -> None:
+        dst.copy_(src)
+
     def update_running(self, running: Any, batch_stat: Any, momentum: float) -> None:
         running.mul_(1.0 - momentum).add_(batch_stat.to(running.dtype), alpha=momentum)
 
@@ -141,6 +148,14 @@ class CupyBackend:
 
     def fill_nan(self, x: Any) -> None:
         x.fill(float("nan"))
+
+    def fill_zero(self, x: Any) -> None:
+        x.fill(0)
+
+    @staticmethod
+    def copy_into(dst: Any, src: Any) -> None:
+        with dst.device:
+            dst[...] = src
 
     def update_running(self, running: Any, batch_stat: Any, momentum: float) -> None:
         with running.device:

@@ -8,7 +8,7 @@ docs/internal-api.md for the contract.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -196,6 +196,71 @@ def _finalize(
     )
 
 
+class _Elementwise(NamedTuple):
+    """Grid of the elementwise passes (apply, backward sums, backward dx) over one layout."""
+
+    rows: bool  # rows (NCHW) or columns (channels innermost) kernels
+    grid: int
+    block: tuple[int, ...]
+    tail: tuple  # the layout arguments every such kernel takes last
+    tiles: int  # T: partials per (n, c) of the backward sums
+    samples: int  # NP: samples the partials keep apart (1 when the batch is folded into rows)
+    vec: int
+
+
+def _elementwise(
+    call: _Call, layout: str, N: int, C: int, S: int, groups: int, cpg: int, aligned: bool
+) -> _Elementwise:
+    i64 = np.int64
+    if layout == "contiguous":
+        plan = _plan.plan_rows_apply(S, call.itemsize, aligned and S % call.vec == 0)
+        tail = (
+            i64(C),
+            i64(S),
+            i64(C * S),
+            i64(S),
+            np.int32(groups),
+            i64(cpg),
+            i64(plan.tiles_per_plane),
+            i64(plan.tile_len),
+            np.int32(plan.vectorized),
+        )
+        return _Elementwise(
+            True,
+            N * C * plan.tiles_per_plane,
+            (plan.threads,),
+            tail,
+            plan.tiles_per_plane,
+            N,
+            call.vec if plan.vectorized else 1,
+        )
+    # per-sample statistics keep samples apart; per-channel ones fold the batch into the rows
+    samples, rows = (N, S) if groups > 0 else (1, N * S)
+    plan = _plan.plan_cols(
+        samples, rows, C, call.itemsize, aligned and (S * C) % call.vec == 0, call.info
+    )
+    tail = (
+        i64(rows),
+        i64(C),
+        i64(C),
+        i64(S * C),
+        np.int32(groups),
+        i64(cpg),
+        i64(plan.rows_per_cta),
+        i64(plan.ctas_per_sample),
+        np.int32(plan.vectorized),
+    )
+    return _Elementwise(
+        False,
+        samples * plan.ctas_per_sample,
+        (plan.tx, plan.ty),
+        tail,
+        plan.ctas_per_sample,
+        samples,
+        call.vec if plan.vectorized else 1,
+    )
+
+
 def _apply(
     call: _Call,
     x: Any,
@@ -209,61 +274,111 @@ def _apply(
     C: int,
     S: int,
     groups: int,
-    chans_per_group: int,
+    cpg: int,
 ) -> None:
     """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel)."""
-    i64 = np.int64
-    common = (
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, y))
+    kernel = "strided_norm_apply_rows" if geo.rows else "strided_norm_apply_cols"
+    args = (
         call.ptr(x),
+        _NULL,
         call.ptr(y),
         call.ptr(weight),
         call.ptr(bias),
         call.ptr(mean),
         call.ptr(rstd),
+        _NULL,
+        _NULL,
     )
-    if layout == "contiguous":
-        plan = _plan.plan_rows_apply(S, call.itemsize, call.aligned(x, y, strides=(S,)))
-        call.launch(
-            _STRIDED,
-            "strided_norm_apply_rows",
-            N * C * plan.tiles_per_plane,
-            (plan.threads,),
-            (
-                *common,
-                i64(C),
-                i64(S),
-                i64(C * S),
-                i64(S),
-                np.int32(groups),
-                i64(chans_per_group),
-                i64(plan.tiles_per_plane),
-                i64(plan.tile_len),
-                np.int32(plan.vectorized),
-            ),
+    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+
+
+def _backward(
+    call: _Call,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+    training: bool,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu."""
+    need_dx, need_dw, need_db = needs_input_grad
+    need_dw = need_dw and weight is not None
+    dx = call.bk.empty_strided_like(x) if need_dx else None
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, dy, dx))
+    num_sets = N * groups if groups > 0 else C
+    count = cpg * S if groups > 0 else N * S
+    dweight = call.stats((C,), x) if need_dw else None
+    dbias = call.stats((C,), x) if need_db else None
+    u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
+    if N * C * S == 0:
+        for grad in (dweight, dbias):
+            if grad is not None:
+                call.bk.fill_zero(grad)
+        return dx, dweight, dbias
+    # pass 1: per (n, c, tile) sums of dy and dy * (x - mean)
+    partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
+    smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
+    kernel = "strided_norm_bwd_sums_rows" if geo.rows else "strided_norm_bwd_sums_cols"
+    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials))
+    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail, smem=smem)
+    # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
+    warps = C + num_sets
+    call.launch(
+        _STRIDED,
+        "strided_norm_bwd_finalize",
+        -(-warps // 8),
+        (256,),
+        (
+            call.ptr(partials),
+            np.int64(geo.samples),
+            np.int64(C),
+            np.int64(geo.tiles),
+            call.ptr(rstd),
+            call.ptr(weight),
+            np.int32(groups),
+            np.int64(cpg),
+            np.int64(num_sets),
+            np.float64(count),
+            np.int32(training),
+            call.ptr(dweight),
+            call.ptr(dbias),
+            call.ptr(u),
+            call.ptr(v),
+        ),
+    )
+    # pass 3: dx
+    if need_dx:
+        kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
+        args = (
+            call.ptr(x),
+            call.ptr(dy),
+            call.ptr(dx),
+            call.ptr(weight),
+            _NULL,
+            call.ptr(mean),
+            call.ptr(rstd),
+            call.ptr(u),
+            call.ptr(v),
         )
-    else:
-        samples, rows = (N, S) if groups > 0 else (1, N * S)
-        plan = _plan.plan_cols(
-            samples, rows, C, call.itemsize, call.aligned(x, y, strides=(S * C,)), call.info
-        )
-        call.launch(
-            _STRIDED,
-            "strided_norm_apply_cols",
-            samples * plan.ctas_per_sample,
-            (plan.tx, plan.ty),
-            (
-                *common,
-                i64(rows),
-                i64(C),
-                i64(C),
-                i64(S * C),
-                np.int32(groups),
-                i64(chans_per_group),
-                i64(plan.rows_per_cta),
-                i64(plan.ctas_per_sample),
-                np.int32(plan.vectorized),
-            ),
-        )
+        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+    return dx, dweight, dbias
+
+
+def _grad_dtype(call: _Call, grad: Any, like: Any) -> Any:
+    """A weight/bias gradient (accumulated in fp32) in the parameter's dtype."""
+    if grad is None or like is None:
+        return grad
+    name = call.bk.dtype_name(like)
+    return grad if name == call.acc else call.bk.astype(grad, name)
 
 
 # ---- group norm (instance norm is group norm with one channel per group) ----------------------
@@ -321,6 +436,40 @@ def group_norm_fwd(
     return outputs
 
 
+def _match_layout(call: _Call, t: Any, ref: Any) -> Any:
+    """t laid out with ref's strides (a copy only when they differ)."""
+    if tuple(call.bk.strides(t)) == tuple(call.bk.strides(ref)):
+        return t
+    out = call.bk.empty_strided_like(ref)
+    call.bk.copy_into(out, t)
+    return out
+
+
+def group_norm_bwd(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    num_groups: int,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx, dweight, dbias) of group_norm_fwd; mean/rstd are its (N, G) statistics.
+
+    dweight and dbias come in the weight's dtype (float32/float64 accumulators when weight is None).
+    """
+    call = _Call(x, weight)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    G = num_groups
+    dx, dw, db = _backward(
+        call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True, needs_input_grad
+    )
+    return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
+
+
 # ---- batch norm ---------------------------------------------------------------------------
 def batch_norm_fwd(
     x: Any,
@@ -364,6 +513,32 @@ def batch_norm_fwd(
         call.bk.update_running(running_var, unbiased, momentum)
     _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
     return y, mean, rstd
+
+
+def batch_norm_bwd(
+    dy: Any,
+    x: Any,
+    save_mean: Any,
+    save_rstd: Any,
+    weight: Any,
+    training: bool,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx, dweight, dbias) of batch_norm_fwd given its saved (C,) mean and rstd.
+
+    In eval mode the statistics are constants, so dx = dy * rstd * weight.
+    """
+    call = _Call(x, weight)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    if S == 1:
+        layout = "channels_last"
+    dx, dw, db = _backward(
+        call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0, 1, training, needs_input_grad
+    )
+    return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
 
 
 # ---- the seed-002 tail: row norm, then (xhat + y) * y ---------------------------------------
@@ -423,3 +598,33 @@ def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
     out += other
     out *= other
     return out, mean, rstd
+
+
+def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) -> tuple:
+    """(dx, dother) of row_norm_add_mul_fwd: out = xhat * r + r^2 with r = other, so
+    dother = dout * (xhat + 2 r) and dxhat = dout * r, taken through the row norm's backward."""
+    call = _Call(x)
+    bk = call.bk
+    x, other, dout = bk.contiguous(x), bk.contiguous(other), bk.contiguous(dout)
+    D = x.shape[-1]
+    rows = _plan.prod(tuple(x.shape[:-1]))
+    xhat = (bk.astype(x, call.acc) - mean[..., None]) * rstd[..., None]
+    dother = bk.astype(dout * (xhat + 2 * bk.astype(other, call.acc)), call.dtype)
+    dxhat = bk.astype(bk.astype(dout, call.acc) * bk.astype(other, call.acc), call.dtype)
+    dx = _backward(
+        call,
+        dxhat.reshape(rows, 1, D),
+        x.reshape(rows, 1, D),
+        mean,
+        rstd,
+        None,
+        "contiguous",
+        rows,
+        1,
+        D,
+        1,
+        1,
+        True,
+        (True, False, False),
+    )[0]
+    return dx.reshape(x.shape), dother
