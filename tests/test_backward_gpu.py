@@ -4,7 +4,6 @@ row-norm epilogue against its unfused torch composition. Gradients are bitwise r
 from __future__ import annotations
 
 import pytest
-
 from conftest import cuda_available, poison_torch_allocator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
@@ -145,7 +144,7 @@ def test_backward_bitwise_reproducible():
     for _ in range(5):
         again = _ops.group_norm_bwd(dy, x, mean, rstd, w, 8, (True, True, True))
         again_bn = _ops.batch_norm_bwd(dy, x, bm, br, w, True, (True, True, True))
-        for a, b in zip(first + first_bn, again + again_bn):
+        for a, b in zip(first + first_bn, again + again_bn, strict=False):
             assert torch.equal(a, b)
 
 
