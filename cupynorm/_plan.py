@@ -102,20 +102,29 @@ class SegmentPlan:
 def plan_segment(
     seg_len: int, itemsize: int, aligned: bool, device: DeviceInfo
 ) -> SegmentPlan | None:
-    """The on-chip plan for segments of ``seg_len`` elements, or None when they don't fit."""
+    """The on-chip plan for segments of ``seg_len`` elements, or None when a segment doesn't fit.
+
+    On sm_90 a segment too large for one CTA is split over a thread-block cluster. (Splitting
+    the segments of small problems over clusters for more CTAs in flight was measured and did not
+    help: GroupNorm(32) fp16 16x320x64x64 35 -> 38 us on an H200; benchmarks/NOTES.md.)
+    """
     vec = vec_width(itemsize)
     vectorized = aligned and seg_len % vec == 0
     unit = vec if vectorized else 1
     seg_bytes = seg_len * itemsize
     smem_budget = device.smem_optin - 1024  # static shared memory of the kernel
-    if seg_bytes <= min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
-        cluster = 1
-    elif device.compute_capability >= 90:
-        cluster = next(
-            (c for c in (2, 4, 8, 16) if seg_bytes <= c * CLUSTER_SLICE_TARGET_BYTES), CLUSTER_MAX
+    if device.compute_capability >= 90:
+        for_size = next(
+            (c for c in (1, 2, 4, 8, 16) if seg_bytes <= c * CLUSTER_SLICE_TARGET_BYTES),
+            CLUSTER_MAX,
         )
-        if seg_bytes > cluster * smem_budget:
+        if for_size == 1 and seg_bytes > SEGMENT_BLOCK_MAX_BYTES:
+            for_size = 2
+        if seg_bytes > for_size * smem_budget:
             return None
+        cluster = for_size
+    elif seg_bytes <= min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
+        cluster = 1
     else:
         return None
     slice_len = round_up(-(-seg_len // cluster), unit)

@@ -1,0 +1,127 @@
+"""Time each pass of the forward strategies separately and try plan variants (development tool).
+
+Prints, per kernel: ms, GB moved, TB/s, and registers per thread; then the on-chip segment kernel
+under several cluster-slice sizes and thread counts. Usage: python scripts/profile_passes.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cupynorm import _compile, _ops, _plan  # noqa: E402
+
+
+def time_ms(fn, reps: int = 15) -> float:
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def registers(source: str, kernel: str, dtype: str = "float32", cluster: int = 1) -> int:
+    from cupy.cuda import driver
+
+    function = _compile.get_kernel(0, source, kernel, dtype, cluster)
+    return driver.funcGetAttribute(4, function.ptr)  # CU_FUNC_ATTRIBUTE_NUM_REGS
+
+
+def report(name: str, ms: float, gbytes: float) -> None:
+    print(f"{name:58s} {ms:8.3f} ms {gbytes:7.2f} GB {gbytes / ms:6.2f} TB/s", flush=True)
+
+
+def main() -> None:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    report("copy 1 GiB", time_ms(lambda: b.copy_(a)), 2 * a.numel() / 1e9)
+
+    x = torch.randn(112, 64, 512, 512, device="cuda")
+    gb = x.numel() * 4 / 1e9
+    call = _ops._Call(x)
+    N, C, S = 112, 64, 512 * 512
+    y = torch.empty_like(x)
+    # GroupNorm(8): split path, pass by pass
+    G = 8
+    mean, rstd = (torch.empty(N, G, device="cuda") for _ in range(2))
+    L = C // G * S
+    report("GN8 stats_rows", time_ms(lambda: _ops._stats_rows(call, x, N * G, 1, L, 0, L)), gb)
+    partials, per_set = _ops._stats_rows(call, x, N * G, 1, L, 0, L)
+    report(
+        "GN8 finalize",
+        time_ms(lambda: _ops._finalize(call, partials, N * G, per_set, L, 1e-5, mean, rstd, None)),
+        0.0,
+    )
+    report(
+        "GN8 apply_rows",
+        time_ms(
+            lambda: _ops._apply(
+                call, x, y, None, None, mean, rstd, "contiguous", N, C, S, G, C // G
+            )
+        ),
+        2 * gb,
+    )
+    # BatchNorm: split path on 64 x 64 x 512 x 512
+    xb = x[:64]
+    gbb = xb.numel() * 4 / 1e9
+    report("BN stats_rows", time_ms(lambda: _ops._stats_rows(call, xb, C, 64, S, C * S, S)), gbb)
+    bm, br = torch.empty(C, device="cuda"), torch.rand(C, device="cuda")
+    yb = y[:64]
+    report(
+        "BN apply_rows",
+        time_ms(
+            lambda: _ops._apply(call, xb, yb, None, None, bm, br, "contiguous", 64, C, S, 0, 1)
+        ),
+        2 * gbb,
+    )
+    for kernel in ("strided_norm_stats_rows", "strided_norm_apply_rows"):
+        print(f"  {kernel}: {registers('strided_norm.cu', kernel)} registers")
+    # on-chip segment kernels under several thread counts (packs per thread)
+    y = None  # free the output of the split passes
+    cases = [
+        ("InstanceNorm fp32 112x64x512x512", x, 64),
+        ("GroupNorm(32) fp16 16x320x64x64", torch.randn(16, 320, 64, 64, device="cuda").half(), 32),
+        ("row norm fp32 1024x8192 (as GN)", torch.randn(1024, 1, 8192, device="cuda"), 1),
+        ("InstanceNorm fp32 1792x64x128x128 (64 KiB planes)", x.view(1792, 64, 128, 128), 64),
+    ]
+    for name, t, groups in cases:
+        ref = torch.nn.functional.group_norm(t[:2].float(), groups)
+        for per_thread in (8, 16):
+            _plan.PACKS_PER_THREAD = per_thread
+            _plan.plan_segment.cache_clear()
+            out = _ops.group_norm_fwd(t, groups, None, None, 1e-5)[0]
+            err = (out[:2].float() - ref).abs().max().item()
+            ms = time_ms(
+                lambda t=t, groups=groups: _ops.group_norm_fwd(t, groups, None, None, 1e-5)
+            )
+            plan = _plan.plan_segment(
+                t.shape[1] // groups * t[0, 0].numel(),
+                t.element_size(),
+                True,
+                call.info,
+                t.shape[0] * groups,
+            )
+            gbytes = 2 * t.numel() * t.element_size() / 1e9
+            report(
+                f"{name} cluster={plan.cluster_size} threads={plan.threads} err={err:.1e}",
+                ms,
+                gbytes,
+            )
+    regs = registers("segment_norm.cu", "segment_norm_fwd_affine", "float32", 16)
+    print(f"  segment_norm_fwd_affine (cluster 16): {regs} registers")
+
+
+if __name__ == "__main__":
+    main()
