@@ -1,7 +1,7 @@
 // common.cuh: types, vector packs and reductions shared by every cupynorm kernel family.
 //
 // The sources are compiled by NVRTC with no CUDA headers at all: fp16 and bf16 travel as raw
-// 16-bit storage and are converted with PTX `cvt`, async copies and cluster accesses are PTX too.
+// 16-bit storage and are converted with PTX `cvt`; the async copies are PTX too.
 // That keeps the build independent of where (or whether) the CUDA toolkit headers live.
 //
 // Each module is compiled once per element type, chosen with -DSCALAR_T=<float|double|half_t|bf16_t>,

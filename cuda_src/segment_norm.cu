@@ -9,66 +9,39 @@
 //   AFFINE epilogue:  y_i = (x_i - mean) * (rstd * weight[c]) + bias[c]
 //   ADD_MUL epilogue: y_i = ((x_i - mean) * rstd + r_i) * r_i   (the seed-002 tail, r = other)
 //
-// Mapping: the segment is split into CLUSTER_SIZE slices of slice_len elements, one CTA each (a
-// thread-block cluster on sm_90 when CLUSTER_SIZE > 1). Each CTA copies its slice into shared
-// memory with cp.async, computes the slice's exact two-pass (count, mean, M2), the CTAs of a
-// cluster exchange those triples through distributed shared memory and Chan-merge them in rank
-// order (every CTA gets the same bits), then each CTA writes its normalized slice from shared
-// memory. Grid: one CTA per slice, blockIdx.x = segment * CLUSTER_SIZE + rank.
+// Mapping: the segment is split into `team` slices of slice_len elements, one CTA each. Each CTA
+// copies its slice into shared memory with cp.async and computes the slice's exact two-pass
+// (count, mean, M2); the CTAs of a segment exchange those triples and Chan-merge them in rank order
+// (every CTA gets the same bits); then each CTA writes its normalized slice from shared memory.
+// The exchange goes through global memory: each CTA publishes its triple, bumps the segment's
+// arrival counter and waits for the others. A CTA takes its (segment, rank) from a ticket counter
+// when it starts, not from blockIdx, so every CTA a team waits for has already started (tickets
+// are handed out in start order): no deadlock whatever order the hardware runs CTAs in, as long as
+// one team fits on the GPU at once (the host keeps it well below that). Grid: segments * team.
+// (A thread-block cluster exchanging through distributed shared memory was measured slower than
+// the team on an H200, 5.1-5.3 ms vs 4.6-4.8 ms for InstanceNorm 112x64x512x512: see
+// benchmarks/NOTES.md.)
 #include "common.cuh"
-
-#ifndef CLUSTER_SIZE
-#define CLUSTER_SIZE 1
-#endif
 
 #define EPILOGUE_AFFINE 0
 #define EPILOGUE_ADD_MUL 1
-
-#if CLUSTER_SIZE > 1
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
-                     : "memory");
-}
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-// Read an acc_t from the same shared-memory variable of CTA `rank` in this cluster.
-__device__ __forceinline__ acc_t load_peer(const acc_t* local, unsigned rank) {
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
-    acc_t v;
-    if (sizeof(acc_t) == 8) {
-        double d;
-        asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(d) : "r"(remote) : "memory");
-        v = static_cast<acc_t>(d);
-    } else {
-        float f;
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(f) : "r"(remote) : "memory");
-        v = static_cast<acc_t>(f);
-    }
-    return v;
-}
-#endif
 
 template <int V, int EPILOGUE>
 __device__ __forceinline__ void segment_norm_fwd(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
-    int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps) {
+    int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
+    int* __restrict__ tickets, acc_t* __restrict__ partials) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
     __shared__ acc_t scratch[33];
-    __shared__ acc_t slice_stats[3];
+    __shared__ int ticket;
 
-    const int64 seg = blockIdx.x / CLUSTER_SIZE;
-#if CLUSTER_SIZE > 1
-    const int rank = static_cast<int>(cluster_rank());
-#else
-    const int rank = 0;
-#endif
+    if (team > 1 && threadIdx.x == 0) ticket = atomicAdd(tickets, 1);
+    __syncthreads();
+    const int64 seg = team > 1 ? ticket / team : blockIdx.x;
+    const int rank = team > 1 ? ticket % team : 0;
     const int start = rank * slice_len;
     const int n_local = max(0, min(slice_len, seg_len - start));
     const int64 base = seg * static_cast<int64>(seg_len) + start;
@@ -96,32 +69,36 @@ __device__ __forceinline__ void segment_norm_fwd(
     q = block_sum(q, scratch);
     Stats st{acc_t(n_local), slice_mean, q};
 
-#if CLUSTER_SIZE > 1
-    // 3. merge the slices of the cluster in rank order
-    if (tid == 0) {
-        slice_stats[0] = st.n;
-        slice_stats[1] = st.mean;
-        slice_stats[2] = st.m2;
-    }
-    cluster_sync();
-    if (tid < 32) {
-        st = stats_empty();
-        for (int r = 0; r < CLUSTER_SIZE; ++r) {
-            Stats o{load_peer(slice_stats + 0, r), load_peer(slice_stats + 1, r),
-                    load_peer(slice_stats + 2, r)};
-            st = stats_merge(st, o);
-        }
+    if (team > 1) {
+        // 3. publish, wait for the team, merge its triples in rank order
         if (tid == 0) {
-            scratch[0] = st.mean;
-            scratch[1] = st.m2;
+            volatile acc_t* slot = partials + 3 * (seg * team + rank);
+            slot[0] = st.n;
+            slot[1] = st.mean;
+            slot[2] = st.m2;
+            __threadfence();
+            atomicAdd(tickets + 1 + seg, 1);
+            const volatile int* arrived = tickets + 1 + seg;
+            while (*arrived < team) __nanosleep(100);
+            __threadfence();
         }
+        __syncthreads();
+        if (tid < 32) {
+            Stats m = stats_empty();
+            for (int r = tid; r < team; r += 32) {
+                const volatile acc_t* slot = partials + 3 * (seg * team + r);
+                m = stats_merge(m, Stats{slot[0], slot[1], slot[2]});
+            }
+            m = warp_stats(m);
+            if (tid == 0) {
+                scratch[0] = m.mean;
+                scratch[1] = m.m2;
+            }
+        }
+        __syncthreads();
+        st.mean = scratch[0];
+        st.m2 = scratch[1];
     }
-    cluster_sync();  // peers are done reading our slice_stats; scratch is visible in the CTA
-    st.mean = scratch[0];
-    st.m2 = scratch[1];
-#else
-    (void)slice_stats;
-#endif
 
     const acc_t mean = st.mean;
     const acc_t var = st.m2 / acc_t(seg_len);
@@ -166,35 +143,34 @@ __device__ __forceinline__ void segment_norm_fwd(
     }
 }
 
-#if CLUSTER_SIZE > 1
-#define SEGMENT_KERNEL extern "C" __global__ void __cluster_dims__(CLUSTER_SIZE, 1, 1)
-#else
-#define SEGMENT_KERNEL extern "C" __global__ void
-#endif
-
 // vectorized: slices start 16-byte aligned and hold whole packs (host checks pointers, seg_len
 // and slice_len are multiples of VEC).
-SEGMENT_KERNEL segment_norm_fwd_affine(
+extern "C" __global__ void segment_norm_fwd_affine(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
     acc_t* __restrict__ var, int seg_len, int slice_len, int chan_len, int chans_per_group,
-    int groups, acc_t eps, int vectorized) {
-    if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
-                                               slice_len, chan_len, chans_per_group, groups, eps);
-    else
-        segment_norm_fwd<1, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
-                                             slice_len, chan_len, chans_per_group, groups, eps);
-}
-
-SEGMENT_KERNEL segment_norm_fwd_add_mul(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
-    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int seg_len, int slice_len, acc_t eps,
+    int groups, acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,
     int vectorized) {
     if (vectorized)
+        segment_norm_fwd<VEC, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
+                                               slice_len, chan_len, chans_per_group, groups, eps,
+                                               team, tickets, partials);
+    else
+        segment_norm_fwd<1, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
+                                             slice_len, chan_len, chans_per_group, groups, eps,
+                                             team, tickets, partials);
+}
+
+extern "C" __global__ void segment_norm_fwd_add_mul(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int seg_len, int slice_len, acc_t eps,
+    int team, int* __restrict__ tickets, acc_t* __restrict__ partials, int vectorized) {
+    if (vectorized)
         segment_norm_fwd<VEC, EPILOGUE_ADD_MUL>(x, other, y, nullptr, nullptr, mean, rstd, nullptr,
-                                                seg_len, slice_len, seg_len, 1, 1, eps);
+                                                seg_len, slice_len, seg_len, 1, 1, eps, team,
+                                                tickets, partials);
     else
         segment_norm_fwd<1, EPILOGUE_ADD_MUL>(x, other, y, nullptr, nullptr, mean, rstd, nullptr,
-                                              seg_len, slice_len, seg_len, 1, 1, eps);
+                                              seg_len, slice_len, seg_len, 1, 1, eps, team,
+                                              tickets, partials);
 }

@@ -1,7 +1,7 @@
 """Finding, hashing and compiling the CUDA sources (NVRTC through ``cupy.RawModule``).
 
-A module is one ``.cu`` file compiled for one element type (``-DSCALAR_T``) and, for the
-cluster kernels, one cluster size: only the variants a call needs are ever compiled. Compiled
+A module is one ``.cu`` file compiled for one element type (``-DSCALAR_T``) and one weight/bias
+type (``-DPARAM_T``): only the variants a call needs are ever compiled. Compiled
 modules and their functions are cached per device. CuPy's on-disk cache keys on the main source
 text and the options only, so a hash of *every* file in ``cuda_src`` goes into the options: a
 changed header recompiles instead of loading a stale binary.
@@ -49,9 +49,7 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_options(
-    dtype: str, cluster_size: int = 1, param_dtype: str | None = None
-) -> tuple[str, ...]:
+def compile_options(dtype: str, param_dtype: str | None = None) -> tuple[str, ...]:
     """NVRTC options for one module variant (CuPy adds ``-arch`` itself).
 
     ``param_dtype`` is the weight/bias element type when it differs from the input's.
@@ -61,7 +59,6 @@ def compile_options(
         f"-I{source_dir()}",
         f"-DSCALAR_T={CTYPES[dtype]}",
         f"-DPARAM_T={CTYPES[param_dtype or dtype]}",
-        f"-DCLUSTER_SIZE={cluster_size}",
         f"-DCUPYNORM_SOURCE_HASH=0x{source_hash()}",
     )
 
@@ -71,12 +68,10 @@ def read_source(name: str) -> str:
 
 
 @functools.cache
-def _module(
-    device_id: int, name: str, dtype: str, cluster_size: int, param_dtype: str | None
-) -> Any:
+def _module(device_id: int, name: str, dtype: str, param_dtype: str | None) -> Any:
     import cupy
 
-    options = compile_options(dtype, cluster_size, param_dtype)
+    options = compile_options(dtype, param_dtype)
     with cupy.cuda.Device(device_id):
         return cupy.RawModule(code=read_source(name), options=options, backend="nvrtc")
 
@@ -84,7 +79,6 @@ def _module(
 # attribute numbers of CUDA's driver API (CUfunction_attribute in cuda.h)
 _SHARED_SIZE_BYTES = 1
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 
 @functools.cache
@@ -93,7 +87,6 @@ def get_kernel(
     name: str,
     kernel: str,
     dtype: str,
-    cluster_size: int = 1,
     param_dtype: str | None = None,
 ) -> Any:
     """The compiled function ``kernel`` of source ``name`` on one device, cached per variant.
@@ -105,11 +98,9 @@ def get_kernel(
     from cupy.cuda import driver
 
     with cupy.cuda.Device(device_id):
-        module = _module(device_id, name, dtype, cluster_size, param_dtype)
+        module = _module(device_id, name, dtype, param_dtype)
         function = module.get_function(kernel).kernel
         optin = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
         static = driver.funcGetAttribute(_SHARED_SIZE_BYTES, function.ptr)
         driver.funcSetAttribute(function.ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
-        if cluster_size > 8:
-            driver.funcSetAttribute(function.ptr, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
     return function

@@ -70,6 +70,9 @@ class TorchBackend:
     def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
         return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
 
+    def zeros_int32(self, n: int, like: Any) -> Any:
+        return self.torch.zeros(n, dtype=self.torch.int32, device=like.device)
+
     def empty_strided_like(self, x: Any) -> Any:
         return self.torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
@@ -133,6 +136,10 @@ class CupyBackend:
     def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
         with like.device:
             return self.cupy.empty(shape, dtype=dtype)
+
+    def zeros_int32(self, n: int, like: Any) -> Any:
+        with like.device:
+            return self.cupy.zeros(n, dtype="int32")
 
     def empty_strided_like(self, x: Any) -> Any:
         # allocate in the order of decreasing strides, then view back into x's axis order

@@ -66,11 +66,8 @@ class _Call:
         block: tuple[int, ...],
         args: tuple,
         smem: int = 0,
-        cluster_size: int = 1,
     ) -> None:
-        function = get_kernel(
-            self.device, source, kernel, self.dtype, cluster_size, self.param_dtype
-        )
+        function = get_kernel(self.device, source, kernel, self.dtype, self.param_dtype)
         function((grid,), block, args, shared_mem=smem, stream=self.stream)
 
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
@@ -381,6 +378,31 @@ def _grad_dtype(call: _Call, grad: Any, like: Any) -> Any:
     return grad if name == call.acc else call.bk.astype(grad, name)
 
 
+def _segment_launch(
+    call: _Call, plan: _plan.SegmentPlan, num_segments: int, like: Any, kernel: str, args: tuple
+) -> None:
+    """Launch an on-chip segment kernel; a team of CTAs per segment gets its ticket counters
+    (zeroed, one per segment plus the start counter) and a buffer for the slices' triples."""
+    tickets = partials = None
+    if plan.team > 1:
+        tickets = call.bk.zeros_int32(1 + num_segments, like)
+        partials = call.stats((num_segments * plan.team * 3,), like)
+    call.launch(
+        _SEGMENT,
+        kernel,
+        num_segments * plan.team,
+        (plan.threads,),
+        (
+            *args,
+            np.int32(plan.team),
+            call.ptr(tickets),
+            call.ptr(partials),
+            np.int32(plan.vectorized),
+        ),
+        smem=plan.smem,
+    )
+
+
 # ---- group norm (instance norm is group norm with one channel per group) ----------------------
 def group_norm_fwd(
     x: Any, num_groups: int, weight: Any, bias: Any, eps: float, *, want_var: bool = False
@@ -403,30 +425,12 @@ def group_norm_fwd(
         seg_len = Cg * S
         plan = _plan.plan_segment(seg_len, call.itemsize, call.aligned(x, y), call.info)
         if plan is not None:
-            call.launch(
-                _SEGMENT,
-                "segment_norm_fwd_affine",
-                N * G * plan.cluster_size,
-                (plan.threads,),
-                (
-                    call.ptr(x),
-                    call.ptr(y),
-                    call.ptr(weight),
-                    call.ptr(bias),
-                    call.ptr(mean),
-                    call.ptr(rstd),
-                    call.ptr(var),
-                    np.int32(seg_len),
-                    np.int32(plan.slice_len),
-                    np.int32(S),
-                    np.int32(Cg),
-                    np.int32(G),
-                    _scalar(call.acc, eps),
-                    np.int32(plan.vectorized),
-                ),
-                smem=plan.smem,
-                cluster_size=plan.cluster_size,
-            )
+            # fmt: off
+            _segment_launch(call, plan, N * G, x, "segment_norm_fwd_affine", (
+                call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(mean),
+                call.ptr(rstd), call.ptr(var), np.int32(seg_len), np.int32(plan.slice_len),
+                np.int32(S), np.int32(Cg), np.int32(G), _scalar(call.acc, eps)))
+            # fmt: on
             return outputs
         partials, per_set = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
     else:
@@ -557,25 +561,11 @@ def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
         return out, mean, rstd
     plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, other, out), call.info)
     if plan is not None:
-        call.launch(
-            _SEGMENT,
-            "segment_norm_fwd_add_mul",
-            rows * plan.cluster_size,
-            (plan.threads,),
-            (
-                call.ptr(x),
-                call.ptr(other),
-                call.ptr(out),
-                call.ptr(mean),
-                call.ptr(rstd),
-                np.int32(D),
-                np.int32(plan.slice_len),
-                _scalar(call.acc, eps),
-                np.int32(plan.vectorized),
-            ),
-            smem=plan.smem,
-            cluster_size=plan.cluster_size,
-        )
+        # fmt: off
+        _segment_launch(call, plan, rows, x, "segment_norm_fwd_add_mul", (
+            call.ptr(x), call.ptr(other), call.ptr(out), call.ptr(mean), call.ptr(rstd),
+            np.int32(D), np.int32(plan.slice_len), _scalar(call.acc, eps)))
+        # fmt: on
         return out, mean, rstd
     # rows too long for chip memory: strided statistics, normalize, then the epilogue elementwise
     partials, per_set = _stats_rows(call, x, rows, 1, D, 0, D)

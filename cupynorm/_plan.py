@@ -15,11 +15,12 @@ from dataclasses import dataclass
 #: (one read, one write). 96 KiB leaves room for two such CTAs per SM on sm_90 (227 KiB opt-in)
 #: and on sm_80 (163 KiB), so one CTA's load overlaps another's store.
 SEGMENT_BLOCK_MAX_BYTES = 96 * 1024
-#: Cluster slices aim at this size: three CTAs of 64 KiB fit on an sm_90 SM, which keeps loads
-#: of one cluster in flight while another writes.
-CLUSTER_SLICE_TARGET_BYTES = 64 * 1024
-#: Largest cluster (16 needs the non-portable cluster size attribute, set by the loader).
-CLUSTER_MAX = 16
+#: Team slices aim at this size: three 64 KiB CTAs fit on an SM of sm_80 and sm_90. InstanceNorm
+#: fp32 112x64x512x512 on an H200: 16 KiB slices 5.62 ms, 32 KiB 4.66 ms, 64 KiB 4.56-4.77 ms.
+TEAM_SLICE_TARGET_BYTES = 64 * 1024
+#: Largest team. GroupNorm(8) fp32 112x64x512x512 (8 MiB segments) on an H200: a team of 128
+#: 5.52-5.67 ms vs the split path's 5.45-5.58 ms, so long segments go to the split path.
+TEAM_MAX = 32
 #: Split path: CTAs per SM to aim for, so every SM has loads in flight from several CTAs.
 SPLIT_CTAS_PER_SM = 8
 #: Split path: the fewest elements a statistics CTA reduces (below this, launch cost dominates).
@@ -91,7 +92,7 @@ def classify_layout(shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
 class SegmentPlan:
     """On-chip normalization of contiguous segments (segment_norm.cu)."""
 
-    cluster_size: int
+    team: int  # CTAs per segment exchanging statistics through global memory (1: none)
     slice_len: int
     threads: int
     smem: int
@@ -104,33 +105,33 @@ def plan_segment(
 ) -> SegmentPlan | None:
     """The on-chip plan for segments of ``seg_len`` elements, or None when a segment doesn't fit.
 
-    On sm_90 a segment too large for one CTA is split over a thread-block cluster. (Splitting
-    the segments of small problems over clusters for more CTAs in flight was measured and did not
-    help: GroupNorm(32) fp16 16x320x64x64 35 -> 38 us on an H200; benchmarks/NOTES.md.)
+    A segment larger than one CTA's shared memory is split over a team of CTAs (slices of about
+    TEAM_SLICE_TARGET_BYTES) that exchange statistics through global memory; a team is kept small
+    enough to fit on the GPU at once with room to spare. (Splitting the segments of small problems
+    for more CTAs in flight was measured and did not help: GroupNorm(32) fp16 16x320x64x64
+    35 -> 38 us on an H200; benchmarks/NOTES.md.)
     """
     vec = vec_width(itemsize)
     vectorized = aligned and seg_len % vec == 0
     unit = vec if vectorized else 1
     seg_bytes = seg_len * itemsize
     smem_budget = device.smem_optin - 1024  # static shared memory of the kernel
-    if device.compute_capability >= 90:
-        for_size = next(
-            (c for c in (1, 2, 4, 8, 16) if seg_bytes <= c * CLUSTER_SLICE_TARGET_BYTES),
-            CLUSTER_MAX,
-        )
-        if for_size == 1 and seg_bytes > SEGMENT_BLOCK_MAX_BYTES:
-            for_size = 2
-        if seg_bytes > for_size * smem_budget:
+    team = 1
+    if seg_bytes > min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
+        team = -(-seg_bytes // TEAM_SLICE_TARGET_BYTES)
+        if team > TEAM_MAX:
             return None
-        cluster = for_size
-    elif seg_bytes <= min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
-        cluster = 1
-    else:
-        return None
-    slice_len = round_up(-(-seg_len // cluster), unit)
+    slice_len = round_up(-(-seg_len // team), unit)
+    team = -(-seg_len // slice_len)
     packs = -(-slice_len // unit)
     threads = min(1024, max(32, round_up(-(-packs // PACKS_PER_THREAD), 32)))
-    return SegmentPlan(cluster, slice_len, threads, round_up(slice_len * itemsize, 16), vectorized)
+    smem = round_up(slice_len * itemsize, 16)
+    # a team must fit on the GPU at once: count the CTAs each SM can hold by shared memory and
+    # threads, and leave half of them for other work sharing the GPU
+    per_sm = min((device.smem_optin + 1024) // (smem + 1024), 2048 // threads)
+    if team > 1 and 2 * team > per_sm * device.sm_count:
+        return None
+    return SegmentPlan(team, slice_len, threads, smem, vectorized)
 
 
 @dataclass(frozen=True)

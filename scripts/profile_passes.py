@@ -1,7 +1,7 @@
 """Time each pass of the forward strategies separately and try plan variants (development tool).
 
 Prints, per kernel: ms, GB moved, TB/s, and registers per thread; then the on-chip segment kernel
-under several cluster-slice sizes and thread counts. Usage: python scripts/profile_passes.py
+under several team slice sizes. Usage: python scripts/profile_passes.py
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def time_ms(fn, reps: int = 15) -> float:
     return statistics.median(times)
 
 
-def registers(source: str, kernel: str, dtype: str = "float32", cluster: int = 1) -> int:
+def registers(source: str, kernel: str, dtype: str = "float32") -> int:
     from cupy.cuda import driver
 
-    function = _compile.get_kernel(0, source, kernel, dtype, cluster)
+    function = _compile.get_kernel(0, source, kernel, dtype)
     return driver.funcGetAttribute(4, function.ptr)  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
 
@@ -92,14 +92,12 @@ def main() -> None:
     y = None  # free the output of the split passes
     cases = [
         ("InstanceNorm fp32 112x64x512x512", x, 64),
-        ("GroupNorm(32) fp16 16x320x64x64", torch.randn(16, 320, 64, 64, device="cuda").half(), 32),
-        ("row norm fp32 1024x8192 (as GN)", torch.randn(1024, 1, 8192, device="cuda"), 1),
-        ("InstanceNorm fp32 1792x64x128x128 (64 KiB planes)", x.view(1792, 64, 128, 128), 64),
+        ("GroupNorm(8) fp32 112x64x512x512", x, 8),
     ]
     for name, t, groups in cases:
         ref = torch.nn.functional.group_norm(t[:2].float(), groups)
-        for per_thread in (8, 16):
-            _plan.PACKS_PER_THREAD = per_thread
+        for target in (32, 64):
+            _plan.TEAM_SLICE_TARGET_BYTES = target * 1024
             _plan.plan_segment.cache_clear()
             out = _ops.group_norm_fwd(t, groups, None, None, 1e-5)[0]
             err = (out[:2].float() - ref).abs().max().item()
@@ -111,16 +109,12 @@ def main() -> None:
                 t.element_size(),
                 True,
                 call.info,
-                t.shape[0] * groups,
             )
             gbytes = 2 * t.numel() * t.element_size() / 1e9
-            report(
-                f"{name} cluster={plan.cluster_size} threads={plan.threads} err={err:.1e}",
-                ms,
-                gbytes,
-            )
-    regs = registers("segment_norm.cu", "segment_norm_fwd_affine", "float32", 16)
-    print(f"  segment_norm_fwd_affine (cluster 16): {regs} registers")
+            shape = "split" if plan is None else f"team={plan.team}"
+            report(f"{name} {target}K slices: {shape} err={err:.1e}", ms, gbytes)
+    regs = registers("segment_norm.cu", "segment_norm_fwd_affine")
+    print(f"  segment_norm_fwd_affine: {regs} registers")
 
 
 if __name__ == "__main__":

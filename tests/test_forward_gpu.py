@@ -124,8 +124,10 @@ def test_group_norm_layouts(memory_format, dtype, shape):
 @pytest.mark.parametrize(
     "shape,groups,strategy",
     [
-        ((2, 4, 512, 512), 4, "cluster (1 MiB segments)"),
-        ((3, 4, 96, 96), 2, "cluster (72 KiB x 2 segments)"),
+        ((2, 4, 512, 512), 4, "team of 16 (1 MiB segments)"),
+        ((3, 8, 512, 512), 1, "team of 128 (8 MiB segments)"),
+        ((3, 4, 96, 96), 2, "one CTA (72 KiB segments)"),
+        ((2, 3, 301, 311), 1, "team, unaligned (scalar path)"),
         ((2, 8, 1024, 1024), 1, "split statistics (32 MiB segments)"),
         ((2, 3, 1009, 1013), 1, "split, unaligned"),
     ],

@@ -36,20 +36,21 @@ def test_classify_strided_is_other() -> None:
 
 def test_segment_plan_block() -> None:
     plan = _plan.plan_segment(8192, 4, True, H200)  # one seed-002 row, fp32: 32 KiB
-    assert plan is not None and plan.cluster_size == 1 and plan.vectorized
+    assert plan is not None and plan.team == 1 and plan.vectorized
     assert plan.smem == 8192 * 4 and plan.threads % 32 == 0
 
 
-def test_segment_plan_cluster_on_hopper_only() -> None:
-    plan = _plan.plan_segment(512 * 512, 4, True, H200)  # an InstanceNorm plane, 1 MiB
-    assert plan is not None and plan.cluster_size == 16
-    assert plan.slice_len * plan.cluster_size >= 512 * 512
-    assert plan.smem <= H200.smem_optin
-    assert _plan.plan_segment(512 * 512, 4, True, A100) is None
+@pytest.mark.parametrize("device", [H200, A100], ids=["sm90", "sm80"])
+def test_segment_plan_team(device) -> None:
+    plan = _plan.plan_segment(512 * 512, 4, True, device)  # an InstanceNorm plane, 1 MiB
+    assert plan is not None and plan.team == 16
+    assert plan.slice_len * plan.team >= 512 * 512 > plan.slice_len * (plan.team - 1)
+    assert plan.smem <= device.smem_optin
 
 
 def test_segment_plan_too_large() -> None:
-    assert _plan.plan_segment(8 * 512 * 512, 4, True, H200) is None  # GroupNorm(8) of 64 ch
+    # GroupNorm(8) of 64 channels of 512 x 512: 8 MiB segments, more than TEAM_MAX slices
+    assert _plan.plan_segment(8 * 512 * 512, 4, True, H200) is None
 
 
 def test_segment_plan_unaligned_is_scalar() -> None:
