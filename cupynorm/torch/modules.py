@@ -1,0 +1,291 @@
+r"""Drop-in ``torch.nn`` normalization modules running on cupynorm's kernels.
+
+Each module subclasses its ``torch.nn`` counterpart and overrides only ``forward``, so the
+constructor signature and defaults, the parameters and buffers (``weight``, ``bias``,
+``running_mean``, ``running_var``, ``num_batches_tracked``), ``state_dict`` keys and loading (in
+both directions), ``extra_repr``, ``reset_parameters``/``reset_running_stats`` and the input-dim
+checks (``_check_input_dim``) are torch's own by construction, and
+``isinstance(m, torch.nn.BatchNorm2d)`` holds. ``forward`` repeats the logic of torch's
+``forward`` (the exponential average factor of ``_BatchNorm.forward``, the warnings and errors of
+``_InstanceNorm.forward``) and calls the functional API of :mod:`cupynorm.torch`: CUDA tensors
+run on cupynorm's kernels, tensors on any other device through :mod:`torch.nn.functional`.
+
+The extra Python work per call is torch's own forward logic plus a few checks: no ``super()``
+chains, no per-call allocation beyond the output and the statistics.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from ._ops import batch_norm, group_norm, instance_norm, row_norm_add_mul
+
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "RowNormAddMul",
+]
+
+
+class _BatchNormForward:
+    """``forward`` of ``torch.nn.modules.batchnorm._BatchNorm`` on :func:`batch_norm`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        # The exponential average factor exactly as torch's _BatchNorm.forward computes it.
+        if self.momentum is None:
+            exponential_average_factor = 0.0
+        else:
+            exponential_average_factor = self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                exponential_average_factor = 1.0 / float(self.num_batches_tracked)
+        # Batch statistics in training, and in eval when there are no running statistics.
+        if self.training:
+            bn_training = True
+        else:
+            bn_training = self.running_mean is None and self.running_var is None
+        # The running statistics are passed when they are updated (training and tracked) or used
+        # (eval and present).
+        use_buffers = not self.training or self.track_running_stats
+        return batch_norm(
+            input,
+            self.running_mean if use_buffers else None,
+            self.running_var if use_buffers else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            exponential_average_factor,
+            self.eps,
+        )
+
+
+class _InstanceNormForward:
+    """``forward`` of ``torch.nn.modules.instancenorm._InstanceNorm`` on :func:`instance_norm`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        no_batch_dim = self._get_no_batch_dim()
+        feature_dim = input.dim() - no_batch_dim
+        if input.size(feature_dim) != self.num_features:
+            if self.affine:
+                raise ValueError(
+                    f"expected input's size at dim={feature_dim} to match num_features"
+                    f" ({self.num_features}), but got: {input.size(feature_dim)}."
+                )
+            warnings.warn(
+                f"input's size at dim={feature_dim} does not match num_features. "
+                "You can silence this warning by not passing in num_features, "
+                "which is not used because affine=False",
+                stacklevel=2,
+            )
+        unbatched = input.dim() == no_batch_dim
+        if unbatched:
+            input = input.unsqueeze(0)
+        out = instance_norm(
+            input,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training or not self.track_running_stats,
+            self.momentum if self.momentum is not None else 0.0,
+            self.eps,
+        )
+        return out.squeeze(0) if unbatched else out
+
+
+_BATCH_NORM_DOC = r"""Batch normalization over a {shapes} input on cupynorm's kernels; a drop-in
+    :class:`torch.nn.{name}`.
+
+    .. math::
+        y = \frac{{x - \mathrm{{E}}[x]}}{{\sqrt{{\mathrm{{Var}}[x] + \epsilon}}}} * \gamma + \beta
+
+    Mean and variance are taken per channel over the batch and spatial dimensions (biased
+    variance for normalizing; the running variance gets the unbiased one). In training the
+    running statistics are updated with ``momentum`` (``None``: cumulative average over
+    ``num_batches_tracked``); in eval they are used instead of the batch's.
+
+    Args:
+        num_features: number of channels :math:`C`
+        eps: added to the variance for numerical stability. Default: 1e-5
+        momentum: weight of the batch statistics in the running update, or ``None`` for a
+            cumulative moving average. Default: 0.1
+        affine: learnable per-channel ``weight`` (:math:`\gamma`, init 1) and ``bias``
+            (:math:`\beta`, init 0). Default: ``True``
+        track_running_stats: keep ``running_mean``/``running_var``; without them batch
+            statistics are used in eval too. Default: ``True``
+        device, dtype: of the parameters and buffers.
+        bias: learn ``bias`` (with ``affine``). Default: ``True``
+
+    Shape:
+        - Input: {input_shape}
+        - Output: same shape (and memory format) as the input
+
+    Example::
+
+        >>> m = cupynorm.torch.{name}({c}).cuda()
+        >>> x = torch.randn({example}, device="cuda")
+        >>> y = m(x)
+    """
+
+_INSTANCE_NORM_DOC = r"""Instance normalization over a {shapes} input on cupynorm's kernels; a
+    drop-in :class:`torch.nn.{name}`.
+
+    .. math::
+        y = \frac{{x - \mathrm{{E}}[x]}}{{\sqrt{{\mathrm{{Var}}[x] + \epsilon}}}} * \gamma + \beta
+
+    Mean and (biased) variance are taken per sample and channel over the spatial dimensions.
+    With ``track_running_stats`` the running statistics are updated in training (mean over the
+    batch of the per-instance mean and unbiased variance) and used in eval.
+
+    Args:
+        num_features: number of channels :math:`C`
+        eps: added to the variance for numerical stability. Default: 1e-5
+        momentum: weight of the new statistics in the running update. Default: 0.1
+        affine: learnable per-channel ``weight`` and ``bias``. Default: ``False``
+        track_running_stats: keep and use running statistics. Default: ``False``
+        device, dtype: of the parameters and buffers.
+        bias: learn ``bias`` (with ``affine``). Default: ``True``
+
+    Shape:
+        - Input: {input_shape}
+        - Output: same shape (and memory format) as the input
+
+    Example::
+
+        >>> m = cupynorm.torch.{name}({c}, affine=True).cuda()
+        >>> x = torch.randn({example}, device="cuda")
+        >>> y = m(x)
+    """
+
+
+def _doc(template: str, name: str, shapes: str, input_shape: str, example: str) -> str:
+    return template.format(name=name, shapes=shapes, input_shape=input_shape, c=3, example=example)
+
+
+class BatchNorm1d(_BatchNormForward, torch.nn.BatchNorm1d):
+    __doc__ = _doc(
+        _BATCH_NORM_DOC,
+        "BatchNorm1d",
+        "2D or 3D",
+        ":math:`(N, C)` or :math:`(N, C, L)`",
+        "16, 3, 7",
+    )
+
+
+class BatchNorm2d(_BatchNormForward, torch.nn.BatchNorm2d):
+    __doc__ = _doc(_BATCH_NORM_DOC, "BatchNorm2d", "4D", ":math:`(N, C, H, W)`", "16, 3, 5, 7")
+
+
+class BatchNorm3d(_BatchNormForward, torch.nn.BatchNorm3d):
+    __doc__ = _doc(_BATCH_NORM_DOC, "BatchNorm3d", "5D", ":math:`(N, C, D, H, W)`", "4, 3, 5, 7, 3")
+
+
+class InstanceNorm1d(_InstanceNormForward, torch.nn.InstanceNorm1d):
+    __doc__ = _doc(
+        _INSTANCE_NORM_DOC,
+        "InstanceNorm1d",
+        "2D (unbatched) or 3D",
+        ":math:`(N, C, L)` or :math:`(C, L)`",
+        "4, 3, 7",
+    )
+
+
+class InstanceNorm2d(_InstanceNormForward, torch.nn.InstanceNorm2d):
+    __doc__ = _doc(
+        _INSTANCE_NORM_DOC,
+        "InstanceNorm2d",
+        "3D (unbatched) or 4D",
+        ":math:`(N, C, H, W)` or :math:`(C, H, W)`",
+        "4, 3, 5, 7",
+    )
+
+
+class InstanceNorm3d(_InstanceNormForward, torch.nn.InstanceNorm3d):
+    __doc__ = _doc(
+        _INSTANCE_NORM_DOC,
+        "InstanceNorm3d",
+        "4D (unbatched) or 5D",
+        ":math:`(N, C, D, H, W)` or :math:`(C, D, H, W)`",
+        "4, 3, 5, 7, 3",
+    )
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    r"""Group normalization on cupynorm's kernels; a drop-in :class:`torch.nn.GroupNorm`.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    The ``num_channels`` channels are split into ``num_groups`` groups; mean and (biased)
+    variance are taken per sample and group over its channels and spatial dimensions;
+    :math:`\gamma`, :math:`\beta` are per channel.
+
+    Args:
+        num_groups: number of groups; must divide ``num_channels``
+        num_channels: number of channels :math:`C`
+        eps: added to the variance for numerical stability. Default: 1e-5
+        affine: learnable per-channel ``weight`` (init 1) and ``bias`` (init 0). Default: ``True``
+        device, dtype: of the parameters.
+        bias: learn ``bias`` (with ``affine``). Default: ``True``
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: same shape (and memory format) as the input
+
+    Example::
+
+        >>> m = cupynorm.torch.GroupNorm(3, 6).cuda()
+        >>> x = torch.randn(4, 6, 5, 7, device="cuda")
+        >>> y = m(x)
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class RowNormAddMul(torch.nn.Module):
+    r"""The fused norm + add + mul tail: :func:`cupynorm.torch.row_norm_add_mul` as a module.
+
+    .. math::
+        \hat{x} = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}}, \qquad
+        \text{out} = (\hat{x} + y) \cdot y
+
+    over the last dimension, without parameters.
+
+    Args:
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - x, y: :math:`(*, D)`, same shape and dtype
+        - Output: :math:`(*, D)`
+
+    Example::
+
+        >>> m = cupynorm.torch.RowNormAddMul()
+        >>> x, y = torch.randn(2, 1024, 64, device="cuda").unbind(0)
+        >>> out = m(x, y)
+    """
+
+    __constants__ = ["eps"]
+    eps: float
+
+    def __init__(self, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return row_norm_add_mul(x, y, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
