@@ -9,10 +9,14 @@ changed header recompiles instead of loading a stale binary.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
+import struct
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 #: element type name -> the C type the kernels see (fp16/bf16 are raw 16-bit storage structs)
 CTYPES: dict[str, str] = {
@@ -104,3 +108,34 @@ def get_kernel(
         static = driver.funcGetAttribute(_SHARED_SIZE_BYTES, function.ptr)
         driver.funcSetAttribute(function.ptr, _MAX_DYNAMIC_SHARED_SIZE_BYTES, optin - static)
     return function
+
+
+# ---- launching ---------------------------------------------------------------------------------
+# Kernel arguments are numpy scalars whose type is the C parameter type. They are packed with
+# struct into one buffer and handed to cuLaunchKernel as an array of pointers into it: about a
+# third of the host time of CuPy's generic per-argument launch path for these 10-17 arguments.
+_CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f", np.float64: "d"}
+
+
+@functools.cache
+def _argument_layout(codes: str) -> tuple[struct.Struct, np.ndarray]:
+    """The packer of an argument list and each argument's offset in the packed buffer."""
+    offsets = [
+        struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + codes[i])
+        for i in range(len(codes))
+    ]
+    return struct.Struct("@" + codes), np.asarray(offsets, dtype=np.uint64)
+
+
+def launch(
+    function: Any, grid: int, block: tuple[int, ...], args: tuple, smem: int, stream: int
+) -> None:
+    """Launch ``function`` (a CuPy ``Function``) on the stream with handle ``stream``."""
+    from cupy.cuda import driver
+
+    packer, offsets = _argument_layout("".join([_CODES[type(a)] for a in args]))
+    buffer = ctypes.create_string_buffer(packer.size)
+    packer.pack_into(buffer, 0, *args)
+    pointers = offsets + np.uint64(ctypes.addressof(buffer))
+    bx, by, bz = (*block, 1, 1)[:3]
+    driver.launchKernel(function.ptr, grid, 1, 1, bx, by, bz, smem, stream, pointers.ctypes.data, 0)

@@ -10,15 +10,9 @@ with ``__dlpack__`` goes through ``cupy.from_dlpack`` and comes back through its
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
-
-
-class RawStream(NamedTuple):
-    """What CuPy's kernel launch needs of a stream: its handle."""
-
-    ptr: int
 
 
 def torch_module() -> Any:
@@ -47,6 +41,10 @@ class TorchBackend:
             torch.bfloat16: "bfloat16",
         }
         self.from_name = {v: k for k, v in self.to_name.items()}
+        # torch's private accessor returns the handle without building a Stream object (7.7 us
+        # vs well under 1 us per call on the H200 machine's CPU); the public path is the fallback
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_stream = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)
 
     def dtype_name(self, x: Any) -> str | None:
         return self.to_name.get(x.dtype)
@@ -63,9 +61,10 @@ class TorchBackend:
     def device_id(x: Any) -> int:
         return x.device.index
 
-    def stream(self, device_id: int) -> RawStream:
-        # read per call: autograd runs backward on another thread and users switch streams
-        return RawStream(self.torch.cuda.current_stream(device_id).cuda_stream)
+    def stream(self, device_id: int) -> int:
+        """Handle of torch's current stream, read per call: autograd runs backward on another
+        thread and users switch streams."""
+        return self._raw_stream(device_id)
 
     def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
         return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
@@ -130,8 +129,8 @@ class CupyBackend:
     def device_id(x: Any) -> int:
         return x.device.id
 
-    def stream(self, device_id: int) -> RawStream:
-        return RawStream(self.cupy.cuda.get_current_stream(device_id).ptr)
+    def stream(self, device_id: int) -> int:
+        return self.cupy.cuda.get_current_stream(device_id).ptr
 
     def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
         with like.device:

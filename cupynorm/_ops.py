@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _plan
-from ._compile import get_kernel
+from ._compile import get_kernel, launch
 from ._interop import backend_of
 
 _SEGMENT = "segment_norm.cu"
@@ -68,7 +68,7 @@ class _Call:
         smem: int = 0,
     ) -> None:
         function = get_kernel(self.device, source, kernel, self.dtype, self.param_dtype)
-        function((grid,), block, args, shared_mem=smem, stream=self.stream)
+        launch(function, grid, block, args, smem, self.stream)
 
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)

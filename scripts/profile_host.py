@@ -1,0 +1,60 @@
+"""Host-side cost per call of each layer of the torch path (development tool).
+
+Times back-to-back calls on a small tensor (GPU time negligible), layer by layer: the kernel
+launch alone, cupynorm._ops, the functional API, the cupynorm.torch function and module, and
+torch's own module; then a cProfile of the module call. Usage: python scripts/profile_host.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cupynorm  # noqa: E402
+import cupynorm.torch as cnt  # noqa: E402
+from cupynorm import _ops  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    x = torch.randn(8, 64, 32, 32, device="cuda")
+    ours, theirs = cnt.InstanceNorm2d(64).cuda(), torch.nn.InstanceNorm2d(64).cuda()
+    with torch.no_grad():
+        rows = [
+            ("torch.empty_like", lambda: torch.empty_like(x)),
+            ("torch.cuda.current_stream", lambda: torch.cuda.current_stream()),
+            ("_ops.group_norm_fwd", lambda: _ops.group_norm_fwd(x, 64, None, None, 1e-5)),
+            ("cupynorm.instance_norm", lambda: cupynorm.instance_norm(x)),
+            ("cupynorm.torch.instance_norm", lambda: cnt.instance_norm(x)),
+            ("cupynorm.torch.InstanceNorm2d", lambda: ours(x)),
+            ("torch.nn.InstanceNorm2d", lambda: theirs(x)),
+        ]
+        for name, fn in rows:
+            print(f"{name:34s} {per_call_us(fn):7.1f} us/call", flush=True)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            ours(x)
+        profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
