@@ -56,15 +56,24 @@ __device__ __forceinline__ void segment_norm_fwd(
     }
     __syncthreads();
 
-    // 2. exact two-pass statistics of the slice
+    // 2. exact two-pass statistics of the slice (packs read from shared memory)
+    const Pack<V>* packs = reinterpret_cast<const Pack<V>*>(xs);
     acc_t s = 0;
-    for (int i = tid; i < n_local; i += blockDim.x) s += to_acc(xs[i]);
+    for (int p = tid; p < n_local / V; p += blockDim.x) {
+        const Pack<V> v = packs[p];
+#pragma unroll
+        for (int j = 0; j < V; ++j) s += to_acc(v.v[j]);
+    }
     s = block_sum(s, scratch);
     const acc_t slice_mean = n_local > 0 ? s / acc_t(n_local) : acc_t(0);
     acc_t q = 0;
-    for (int i = tid; i < n_local; i += blockDim.x) {
-        const acc_t d = to_acc(xs[i]) - slice_mean;
-        q += d * d;
+    for (int p = tid; p < n_local / V; p += blockDim.x) {
+        const Pack<V> v = packs[p];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t d = to_acc(v.v[j]) - slice_mean;
+            q += d * d;
+        }
     }
     q = block_sum(q, scratch);
     Stats st{acc_t(n_local), slice_mean, q};
@@ -122,21 +131,29 @@ __device__ __forceinline__ void segment_norm_fwd(
                 out.v[j] = from_acc<scalar_t>(((to_acc(xv.v[j]) - mean) * rstd + r) * r);
             }
         } else {
-            // one division per pack; the pack may straddle a channel boundary
+            // one division per pack; a pack within one channel shares its (a, b)
             const int pos = start + p * V;
             int c = pos / chan_len;
             int within = pos - c * chan_len;
             c += channel_base;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                if (within == chan_len) {
-                    ++c;
-                    within = 0;
-                }
-                ++within;
+            if (within + V <= chan_len) {
                 const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
                 const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
-                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * a + b);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * a + b);
+            } else {
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    if (within == chan_len) {
+                        ++c;
+                        within = 0;
+                    }
+                    ++within;
+                    const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
+                    const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+                    out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * a + b);
+                }
             }
         }
         store_pack<V>(y + base, p, out);

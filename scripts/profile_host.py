@@ -47,10 +47,25 @@ def main() -> None:
         ]
         for name, fn in rows:
             print(f"{name:34s} {per_call_us(fn):7.1f} us/call", flush=True)
+        xh = torch.rand(16, 320, 64, 64, device="cuda", dtype=torch.float16)
+        gn, gn_torch = (cls(32, 320).cuda().half() for cls in (cnt.GroupNorm, torch.nn.GroupNorm))
+        for name, fn in (
+            ("cupynorm GroupNorm fp16", lambda: gn(xh)),
+            ("torch GroupNorm fp16", lambda: gn_torch(xh)),
+        ):
+            print(f"{name:34s} {per_call_us(fn, 200):7.1f} us/call (no_grad)", flush=True)
+    for name, fn in (
+        ("cupynorm GroupNorm fp16", lambda: gn(xh)),
+        ("torch GroupNorm fp16", lambda: gn_torch(xh)),
+    ):
+        print(f"{name:34s} {per_call_us(fn, 200):7.1f} us/call (grad)", flush=True)
+    with torch.no_grad():
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(2000):
             ours(x)
+        for _ in range(200):
+            gn(xh)
         profile.disable()
     torch.cuda.synchronize()
     pstats.Stats(profile).sort_stats("tottime").print_stats(18)

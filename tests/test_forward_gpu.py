@@ -143,13 +143,16 @@ def test_group_norm_large_segments(shape, groups, strategy):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("shape", [(2, 6, 33, 31), (2, 4, 512, 512)], ids=["block", "cluster"])
 def test_offset_data_matches_torch(dtype, shape):
-    """Mean 1e4, std 1: no cancellation. fp32 loses what torch loses (the fp32 mean), no more."""
-    x = rand(shape, dtype, offset=1e4)
+    """Mean 1e4, std 1: no cancellation. The fp32 mean itself is rounded to ~1e4 * 2^-24 relative,
+    which bounds the error of (x - mean) for torch and for us alike."""
+    offset = 1e4
+    x = rand(shape, dtype, offset=offset)
     out = cupynorm.instance_norm(x)
     ref = F.instance_norm(x.double())
     theirs = (F.instance_norm(x) - ref).abs().max().item()
     ours = (out.double() - ref).abs().max().item()
-    assert ours <= max(2 * theirs, TOL[dtype]), (ours, theirs)
+    unit = 2.0**-24 if dtype == "float32" else 2.0**-53
+    assert ours <= max(4 * theirs, 8 * unit * offset, TOL[dtype]), (ours, theirs)
 
 
 def test_instance_norm_running_stats_several_steps():
