@@ -119,8 +119,8 @@ def main() -> None:
     ]
     for name, t, groups in cases:
         ref = torch.nn.functional.group_norm(t[:2].float(), groups)
-        for target in (32, 64):
-            _plan.TEAM_SLICE_TARGET_BYTES = target * 1024
+        for target, team_max in ((64, 32), (64, 128), (128, 64), (192, 64)):
+            _plan.TEAM_SLICE_TARGET_BYTES, _plan.TEAM_MAX = target * 1024, team_max
             _plan.plan_segment.cache_clear()
             out = _ops.group_norm_fwd(t, groups, None, None, 1e-5)[0]
             err = (out[:2].float() - ref).abs().max().item()
