@@ -191,3 +191,69 @@ extern "C" __global__ void segment_norm_fwd_add_mul(
                                               seg_len, slice_len, seg_len, 1, 1, eps, team,
                                               tickets, partials);
 }
+
+// ------------------------------------------------------------------------------------------------
+// Backward of the ADD_MUL epilogue, one CTA per row of D = seg_len elements, r = other:
+//   xhat = (x - mean) * rstd,  out = (xhat + r) * r
+//   dr   = dout * (xhat + 2 r)
+//   g    = dout * r                                   (dL/dxhat)
+//   dx   = rstd * (g - mean(g) - xhat * mean(g * xhat))
+// x, r and dout are read once; dr is written in the first pass, g and xhat stay in shared memory
+// (acc_t, laid out [V][D / V] so a warp's stores hit distinct banks) for the dx pass.
+template <int V>
+__device__ __forceinline__ void add_mul_bwd(const scalar_t* __restrict__ x,
+                                            const scalar_t* __restrict__ other,
+                                            const scalar_t* __restrict__ dout,
+                                            const acc_t* __restrict__ mean,
+                                            const acc_t* __restrict__ rstd,
+                                            scalar_t* __restrict__ dx, scalar_t* __restrict__ dother,
+                                            int seg_len) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    acc_t* g_s = reinterpret_cast<acc_t*>(smem_raw);
+    acc_t* xhat_s = g_s + seg_len;
+    __shared__ acc_t scratch[33];
+    const int64 row = blockIdx.x;
+    const int64 base = row * static_cast<int64>(seg_len);
+    const int n_packs = seg_len / V;
+    const acc_t m = mean[row], rs = rstd[row];
+    acc_t sg = 0, sgx = 0;
+    for (int p = threadIdx.x; p < n_packs; p += blockDim.x) {
+        const Pack<V> xv = load_pack<V>(x + base, p), rv = load_pack<V>(other + base, p),
+                      dv = load_pack<V>(dout + base, p);
+        Pack<V> dr;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t xhat = (to_acc(xv.v[j]) - m) * rs, r = to_acc(rv.v[j]), d = to_acc(dv.v[j]);
+            const acc_t g = d * r;
+            dr.v[j] = from_acc<scalar_t>(d * (xhat + acc_t(2) * r));
+            g_s[j * n_packs + p] = g;
+            xhat_s[j * n_packs + p] = xhat;
+            sg += g;
+            sgx += g * xhat;
+        }
+        store_pack<V>(dother + base, p, dr);
+    }
+    sg = block_sum(sg, scratch);
+    sgx = block_sum(sgx, scratch);
+    const acc_t mean_g = sg / acc_t(seg_len), mean_gx = sgx / acc_t(seg_len);
+    for (int p = threadIdx.x; p < n_packs; p += blockDim.x) {  // the entries this thread wrote
+        Pack<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t g = g_s[j * n_packs + p], xhat = xhat_s[j * n_packs + p];
+            out.v[j] = from_acc<scalar_t>(rs * (g - mean_g - xhat * mean_gx));
+        }
+        store_pack<V>(dx + base, p, out);
+    }
+}
+
+extern "C" __global__ void segment_norm_bwd_add_mul(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other,
+    const scalar_t* __restrict__ dout, const acc_t* __restrict__ mean,
+    const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx, scalar_t* __restrict__ dother,
+    int seg_len, int vectorized) {
+    if (vectorized)
+        add_mul_bwd<VEC>(x, other, dout, mean, rstd, dx, dother, seg_len);
+    else
+        add_mul_bwd<1>(x, other, dout, mean, rstd, dx, dother, seg_len);
+}

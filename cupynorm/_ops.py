@@ -592,29 +592,31 @@ def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
 
 def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) -> tuple:
     """(dx, dother) of row_norm_add_mul_fwd: out = xhat * r + r^2 with r = other, so
-    dother = dout * (xhat + 2 r) and dxhat = dout * r, taken through the row norm's backward."""
+    dother = dout * (xhat + 2 r) and dxhat = dout * r, taken through the row norm's backward.
+
+    One kernel when a row's (dxhat, xhat) fit in one CTA's shared memory; otherwise composed
+    from elementwise operations and the strided backward.
+    """
     call = _Call(x)
     bk = call.bk
     x, other, dout = bk.contiguous(x), bk.contiguous(other), bk.contiguous(dout)
     D = x.shape[-1]
     rows = _plan.prod(tuple(x.shape[:-1]))
+    smem = 2 * D * _ITEMSIZE[call.acc]
+    if rows * D > 0 and smem <= call.info.smem_optin - 1024:
+        dx, dother = bk.empty_strided_like(x), bk.empty_strided_like(x)
+        vectorized = D % call.vec == 0 and call.aligned(x, other, dout, dx, dother)
+        packs = D // call.vec if vectorized else D
+        threads = min(1024, max(32, _plan.round_up(-(-packs // 4), 32)))
+        # fmt: off
+        call.launch(_SEGMENT, "segment_norm_bwd_add_mul", rows, (threads,), (
+            call.ptr(x), call.ptr(other), call.ptr(dout), call.ptr(mean), call.ptr(rstd),
+            call.ptr(dx), call.ptr(dother), np.int32(D), np.int32(vectorized)), smem=smem)
+        # fmt: on
+        return dx, dother
     xhat = (bk.astype(x, call.acc) - mean[..., None]) * rstd[..., None]
     dother = bk.astype(dout * (xhat + 2 * bk.astype(other, call.acc)), call.dtype)
     dxhat = bk.astype(bk.astype(dout, call.acc) * bk.astype(other, call.acc), call.dtype)
-    dx = _backward(
-        call,
-        dxhat.reshape(rows, 1, D),
-        x.reshape(rows, 1, D),
-        mean,
-        rstd,
-        None,
-        "contiguous",
-        rows,
-        1,
-        D,
-        1,
-        1,
-        True,
-        (True, False, False),
-    )[0]
+    dx = _backward(call, dxhat.reshape(rows, 1, D), x.reshape(rows, 1, D), mean, rstd, None,
+                   "contiguous", rows, 1, D, 1, 1, True, (True, False, False))[0]
     return dx.reshape(x.shape), dother

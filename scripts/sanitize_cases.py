@@ -1,0 +1,70 @@
+"""Small calls that run every kernel and code path once, for compute-sanitizer.
+
+Run through scripts/sanitize.sh (memcheck, racecheck, synccheck). Each case is small, so the
+instrumented run stays short; the checks are in the sanitizer's report, and the script asserts
+that results match torch so a silent wrong answer fails too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cupynorm  # noqa: E402
+from cupynorm import _ops  # noqa: E402
+
+
+def close(a, b, tol=1e-4):
+    err = (a.double() - b.double()).abs().max().item()
+    assert err < tol, err
+
+
+def main() -> None:
+    for dtype in (torch.float32, torch.float16):
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        for shape, groups in (((3, 6, 5, 7), 3), ((2, 4, 300, 300), 4), ((2, 3, 37, 41), 1)):
+            # one CTA (aligned and unaligned) and a team of CTAs (300 x 300 fp32 = 352 KiB)
+            x = torch.randn(shape, device="cuda", dtype=dtype)
+            w = torch.rand(shape[1], device="cuda", dtype=dtype) + 0.5
+            close(
+                cupynorm.group_norm(x, groups, w), F.group_norm(x.float(), groups, w.float()), tol
+            )
+            xl = x.to(memory_format=torch.channels_last)  # columns: stats, finalize, apply
+            close(
+                cupynorm.group_norm(xl, groups, w), F.group_norm(x.float(), groups, w.float()), tol
+            )
+            close(
+                cupynorm.batch_norm(xl, None, None, w, None, training=True),
+                F.batch_norm(x.float(), None, None, w.float(), None, training=True),
+                tol,
+            )
+            close(
+                cupynorm.batch_norm(x, None, None, w, None, training=True),  # rows
+                F.batch_norm(x.float(), None, None, w.float(), None, training=True),
+                tol,
+            )
+            dy = torch.randn_like(x)
+            for inp in (x, xl):
+                _, m, r = _ops.group_norm_fwd(inp, groups, w, None, 1e-5)
+                _ops.group_norm_bwd(dy, inp, m, r, w, groups, (True, True, True))
+                _, m, r = _ops.batch_norm_fwd(inp, w, None, None, None, True, 0.1, 1e-5)
+                _ops.batch_norm_bwd(dy, inp, m, r, w, True, (True, True, True))
+        # the split path: one segment longer than a team holds (GroupNorm(1) of 8 x 512 x 512)
+        x = torch.randn(1, 8, 512, 512, device="cuda", dtype=dtype)
+        close(cupynorm.group_norm(x, 1), F.group_norm(x.float(), 1), tol * 3)
+        # the fused epilogue, forward and backward, aligned and not
+        for shape in ((64, 8192), (7, 13)):
+            a, b = (torch.rand(shape, device="cuda", dtype=dtype) for _ in range(2))
+            out, m, r = _ops.row_norm_add_mul_fwd(a, b, 1e-5)
+            close(out, (F.layer_norm(a.float(), shape[-1:]) + b.float()) * b.float(), tol * 3)
+            _ops.row_norm_add_mul_bwd(torch.rand_like(a), a, b, m, r)
+    torch.cuda.synchronize()
+    print("sanitize cases: all results match torch")
+
+
+if __name__ == "__main__":
+    main()
