@@ -26,6 +26,32 @@
 #define EPILOGUE_AFFINE 0
 #define EPILOGUE_ADD_MUL 1
 
+// ---- teams: CTAs sharing one segment -----------------------------------------------------------
+// This CTA's (segment, rank): from the start-order ticket when team > 1, else from blockIdx.
+__device__ __forceinline__ void team_place(int team, int* __restrict__ tickets, int64& seg,
+                                           int& rank) {
+    __shared__ int ticket;
+    if (team > 1 && threadIdx.x == 0) ticket = atomicAdd(tickets, 1);
+    __syncthreads();
+    seg = team > 1 ? ticket / team : blockIdx.x;
+    rank = team > 1 ? ticket % team : 0;
+}
+
+// Thread 0 only: publish this CTA's K values for the segment, then wait until the whole team has.
+template <int K>
+__device__ __forceinline__ void team_publish_and_wait(const acc_t (&values)[K], int64 seg, int rank,
+                                                      int team, int* __restrict__ tickets,
+                                                      acc_t* __restrict__ partials) {
+    volatile acc_t* slot = partials + K * (seg * team + rank);
+#pragma unroll
+    for (int i = 0; i < K; ++i) slot[i] = values[i];
+    __threadfence();
+    atomicAdd(tickets + 1 + seg, 1);
+    const volatile int* arrived = tickets + 1 + seg;
+    while (*arrived < team) __nanosleep(100);
+    __threadfence();
+}
+
 template <int V, int EPILOGUE>
 __device__ __forceinline__ void segment_norm_fwd(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
@@ -36,12 +62,9 @@ __device__ __forceinline__ void segment_norm_fwd(
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
     __shared__ acc_t scratch[33];
-    __shared__ int ticket;
-
-    if (team > 1 && threadIdx.x == 0) ticket = atomicAdd(tickets, 1);
-    __syncthreads();
-    const int64 seg = team > 1 ? ticket / team : blockIdx.x;
-    const int rank = team > 1 ? ticket % team : 0;
+    int64 seg;
+    int rank;
+    team_place(team, tickets, seg, rank);
     const int start = rank * slice_len;
     const int n_local = max(0, min(slice_len, seg_len - start));
     const int64 base = seg * static_cast<int64>(seg_len) + start;
@@ -81,15 +104,8 @@ __device__ __forceinline__ void segment_norm_fwd(
     if (team > 1) {
         // 3. publish, wait for the team, merge its triples in rank order
         if (tid == 0) {
-            volatile acc_t* slot = partials + 3 * (seg * team + rank);
-            slot[0] = st.n;
-            slot[1] = st.mean;
-            slot[2] = st.m2;
-            __threadfence();
-            atomicAdd(tickets + 1 + seg, 1);
-            const volatile int* arrived = tickets + 1 + seg;
-            while (*arrived < team) __nanosleep(100);
-            __threadfence();
+            const acc_t mine[3] = {st.n, st.mean, st.m2};
+            team_publish_and_wait<3>(mine, seg, rank, team, tickets, partials);
         }
         __syncthreads();
         if (tid < 32) {
@@ -256,4 +272,116 @@ extern "C" __global__ void segment_norm_bwd_add_mul(
         add_mul_bwd<VEC>(x, other, dout, mean, rstd, dx, dother, seg_len);
     else
         add_mul_bwd<1>(x, other, dout, mean, rstd, dx, dother, seg_len);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward of the AFFINE epilogue for one channel per segment (InstanceNorm on NCHW), on chip:
+// x and dy of the slice are read once into shared memory, the slice's sums
+//   sdy = sum dy,  sdx = sum dy (x - mean)
+// are added over the team (rank order), and dx is written from shared memory:
+//   dx = (x - mean) * u + v + dy * rstd * w,  u = -rstd^3 w sdx / L,  v = -rstd w sdy / L
+// (strided_norm.cu derives it). The segment's (sdy, sdx) go to sums[seg] for dweight and dbias,
+// which strided_norm_bwd_finalize reduces over the batch. Three passes instead of five.
+template <int V>
+__device__ __forceinline__ void segment_bwd(const scalar_t* __restrict__ x,
+                                            const scalar_t* __restrict__ dy,
+                                            const param_t* __restrict__ weight,
+                                            const acc_t* __restrict__ mean,
+                                            const acc_t* __restrict__ rstd,
+                                            scalar_t* __restrict__ dx, acc_t* __restrict__ sums,
+                                            int seg_len, int slice_len, int channels, int team,
+                                            int* __restrict__ tickets,
+                                            acc_t* __restrict__ partials) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
+    scalar_t* dys = xs + slice_len;
+    __shared__ acc_t scratch[33];
+    int64 seg;
+    int rank;
+    team_place(team, tickets, seg, rank);
+    const int tid = threadIdx.x;
+    const int start = rank * slice_len;
+    const int n_local = max(0, min(slice_len, seg_len - start));
+    const int64 base = seg * static_cast<int64>(seg_len) + start;
+    if (V == VEC) {
+        for (int p = tid; p < n_local / V; p += blockDim.x) {
+            cp_async16(xs + p * V, x + base + p * V);
+            cp_async16(dys + p * V, dy + base + p * V);
+        }
+        cp_async_wait_all();
+    } else {
+        for (int i = tid; i < n_local; i += blockDim.x) {
+            xs[i] = x[base + i];
+            dys[i] = dy[base + i];
+        }
+    }
+    __syncthreads();
+    const acc_t m = mean[seg], rs = rstd[seg];
+    const Pack<V>* xp = reinterpret_cast<const Pack<V>*>(xs);
+    const Pack<V>* dp = reinterpret_cast<const Pack<V>*>(dys);
+    acc_t sdy = 0, sdx = 0;
+    for (int p = tid; p < n_local / V; p += blockDim.x) {
+        const Pack<V> a = xp[p], d = dp[p];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t g = to_acc(d.v[j]);
+            sdy += g;
+            sdx += g * (to_acc(a.v[j]) - m);
+        }
+    }
+    sdy = block_sum(sdy, scratch);
+    sdx = block_sum(sdx, scratch);
+    if (team > 1) {
+        if (tid == 0) {
+            const acc_t mine[2] = {sdy, sdx};
+            team_publish_and_wait<2>(mine, seg, rank, team, tickets, partials);
+        }
+        __syncthreads();
+        if (tid < 32) {
+            acc_t a = 0, b = 0;
+            for (int r = tid; r < team; r += 32) {
+                const volatile acc_t* slot = partials + 2 * (seg * team + r);
+                a += slot[0];
+                b += slot[1];
+            }
+            a = warp_sum(a);
+            b = warp_sum(b);
+            if (tid == 0) {
+                scratch[0] = a;
+                scratch[1] = b;
+            }
+        }
+        __syncthreads();
+        sdy = scratch[0];
+        sdx = scratch[1];
+    }
+    if (rank == 0 && tid == 0) {
+        sums[2 * seg + 0] = sdy;
+        sums[2 * seg + 1] = sdx;
+    }
+    const acc_t w = weight != nullptr ? to_acc(weight[seg % channels]) : acc_t(1);
+    const acc_t L = acc_t(seg_len);
+    const acc_t u = -rs * rs * rs * w * sdx / L, v = -rs * w * sdy / L, g = rs * w;
+    for (int p = tid; p < n_local / V; p += blockDim.x) {
+        const Pack<V> a = xp[p], d = dp[p];
+        Pack<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            out.v[j] = from_acc<scalar_t>((to_acc(a.v[j]) - m) * u + v + to_acc(d.v[j]) * g);
+        store_pack<V>(dx + base, p, out);
+    }
+}
+
+extern "C" __global__ void segment_norm_bwd_instance(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const param_t* __restrict__ weight, const acc_t* __restrict__ mean,
+    const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx, acc_t* __restrict__ sums,
+    int seg_len, int slice_len, int channels, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials, int vectorized) {
+    if (vectorized)
+        segment_bwd<VEC>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, channels, team,
+                         tickets, partials);
+    else
+        segment_bwd<1>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, channels, team,
+                       tickets, partials);
 }

@@ -328,29 +328,23 @@ def _backward(
     args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials))
     call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail, smem=smem)
     # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
-    warps = C + num_sets
-    call.launch(
-        _STRIDED,
-        "strided_norm_bwd_finalize",
-        -(-warps // 8),
-        (256,),
-        (
-            call.ptr(partials),
-            np.int64(geo.samples),
-            np.int64(C),
-            np.int64(geo.tiles),
-            call.ptr(rstd),
-            call.ptr(weight),
-            np.int32(groups),
-            np.int64(cpg),
-            np.int64(num_sets),
-            np.float64(count),
-            np.int32(training),
-            call.ptr(dweight),
-            call.ptr(dbias),
-            call.ptr(u),
-            call.ptr(v),
-        ),
+    _bwd_finalize(
+        call,
+        partials,
+        geo.samples,
+        C,
+        geo.tiles,
+        rstd,
+        weight,
+        groups,
+        cpg,
+        num_sets,
+        count,
+        training,
+        dweight,
+        dbias,
+        u,
+        v,
     )
     # pass 3: dx
     if need_dx:
@@ -368,6 +362,35 @@ def _backward(
         )
         call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
     return dx, dweight, dbias
+
+
+def _bwd_finalize(
+    call: _Call,
+    partials: Any,
+    samples: int,
+    C: int,
+    tiles: int,
+    rstd: Any,
+    weight: Any,
+    groups: int,
+    cpg: int,
+    num_sets: int,
+    count: int,
+    training: bool,
+    dweight: Any,
+    dbias: Any,
+    u: Any,
+    v: Any,
+) -> None:
+    """strided_norm_bwd_finalize: partials[(n*C + c)*tiles + t] (sdy, sdx) -> dweight, dbias
+    (warps 0..C-1) and the dx coefficients u, v of num_sets statistic sets (the next warps)."""
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_bwd_finalize", -(-(C + num_sets) // 8), (256,), (
+        call.ptr(partials), np.int64(samples), np.int64(C), np.int64(tiles), call.ptr(rstd),
+        call.ptr(weight), np.int32(groups), np.int64(cpg), np.int64(num_sets),
+        np.float64(count), np.int32(training), call.ptr(dweight), call.ptr(dbias), call.ptr(u),
+        call.ptr(v)))
+    # fmt: on
 
 
 def _grad_dtype(call: _Call, grad: Any, like: Any) -> Any:
@@ -468,10 +491,55 @@ def group_norm_bwd(
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G = num_groups
+    if layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
+        on_chip = _instance_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, needs_input_grad)
+        if on_chip is not None:
+            dx, dw, db = on_chip
+            return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
     dx, dw, db = _backward(
         call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True, needs_input_grad
     )
     return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
+
+
+def _instance_bwd_on_chip(
+    call: _Call,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    N: int,
+    C: int,
+    S: int,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple | None:
+    """InstanceNorm backward with each plane's x and dy held on chip (segment_norm.cu): three
+    passes over the tensors instead of five. None when a plane is too long for a team."""
+    dx = call.bk.empty_strided_like(x)
+    plan = _plan.plan_segment(S, call.itemsize, call.aligned(x, dy, dx), call.info, tensors=2)
+    if plan is None:
+        return None
+    sums = call.stats((N * C * 2,), x)
+    tickets = partials = None
+    if plan.team > 1:
+        tickets = call.bk.zeros_int32(1 + N * C, x)
+        partials = call.stats((N * C * plan.team * 2,), x)
+    # fmt: off
+    call.launch(_SEGMENT, "segment_norm_bwd_instance", N * C * plan.team, (plan.threads,), (
+        call.ptr(x), call.ptr(dy), call.ptr(weight), call.ptr(mean), call.ptr(rstd), call.ptr(dx),
+        call.ptr(sums), np.int32(S), np.int32(plan.slice_len), np.int32(C),
+        np.int32(plan.team), call.ptr(tickets), call.ptr(partials), np.int32(plan.vectorized)),
+        smem=plan.smem)
+    # fmt: on
+    need_dw = needs_input_grad[1] and weight is not None
+    dweight = call.stats((C,), x) if need_dw else None
+    dbias = call.stats((C,), x) if needs_input_grad[2] else None
+    if dweight is not None or dbias is not None:  # sums[n, c] -> per-channel, over the batch
+        _bwd_finalize(
+            call, sums, N, C, 1, rstd, weight, C, 1, 0, 0, False, dweight, dbias, None, None
+        )
+    return dx, dweight, dbias
 
 
 # ---- batch norm ---------------------------------------------------------------------------
@@ -617,6 +685,20 @@ def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) ->
     xhat = (bk.astype(x, call.acc) - mean[..., None]) * rstd[..., None]
     dother = bk.astype(dout * (xhat + 2 * bk.astype(other, call.acc)), call.dtype)
     dxhat = bk.astype(bk.astype(dout, call.acc) * bk.astype(other, call.acc), call.dtype)
-    dx = _backward(call, dxhat.reshape(rows, 1, D), x.reshape(rows, 1, D), mean, rstd, None,
-                   "contiguous", rows, 1, D, 1, 1, True, (True, False, False))[0]
+    dx = _backward(
+        call,
+        dxhat.reshape(rows, 1, D),
+        x.reshape(rows, 1, D),
+        mean,
+        rstd,
+        None,
+        "contiguous",
+        rows,
+        1,
+        D,
+        1,
+        1,
+        True,
+        (True, False, False),
+    )[0]
     return dx.reshape(x.shape), dother

@@ -31,6 +31,9 @@ PACKS_PER_THREAD = 8
 #: Threads of a columns-layout CTA (TX channel packs x TY rows).
 COLS_THREADS = 256
 COLS_MAX_TX = 64
+#: Fewest rows a columns-layout thread walks: fewer means more partial triples to write, merge in
+#: the CTA and merge again in finalize than rows of data (see benchmarks/NOTES.md).
+COLS_MIN_ROWS_PER_THREAD = 32
 #: Warps per CTA of the finalize kernel (one statistic set per warp).
 FINALIZE_WARPS = 8
 
@@ -101,7 +104,7 @@ class SegmentPlan:
 
 @functools.cache
 def plan_segment(
-    seg_len: int, itemsize: int, aligned: bool, device: DeviceInfo
+    seg_len: int, itemsize: int, aligned: bool, device: DeviceInfo, tensors: int = 1
 ) -> SegmentPlan | None:
     """The on-chip plan for segments of ``seg_len`` elements, or None when a segment doesn't fit.
 
@@ -114,7 +117,7 @@ def plan_segment(
     vec = vec_width(itemsize)
     vectorized = aligned and seg_len % vec == 0
     unit = vec if vectorized else 1
-    seg_bytes = seg_len * itemsize
+    seg_bytes = seg_len * itemsize * tensors  # ``tensors`` arrays of the segment held on chip
     smem_budget = device.smem_optin - 1024  # static shared memory of the kernel
     team = 1
     if seg_bytes > min(SEGMENT_BLOCK_MAX_BYTES, smem_budget):
@@ -125,7 +128,7 @@ def plan_segment(
     team = -(-seg_len // slice_len)
     packs = -(-slice_len // unit)
     threads = min(1024, max(32, round_up(-(-packs // PACKS_PER_THREAD), 32)))
-    smem = round_up(slice_len * itemsize, 16)
+    smem = tensors * round_up(slice_len * itemsize, 16)
     # a team must fit on the GPU at once: count the CTAs each SM can hold by shared memory and
     # threads, and leave half of them for other work sharing the GPU
     per_sm = min((device.smem_optin + 1024) // (smem + 1024), 2048 // threads)
@@ -198,7 +201,7 @@ def plan_cols(
     tx = min(packs, COLS_MAX_TX)
     ty = max(1, COLS_THREADS // tx)
     want = max(1, -(-device.sm_count * SPLIT_CTAS_PER_SM // samples))
-    ctas = max(1, min(want, -(-rows // (4 * ty))))
+    ctas = max(1, min(want, -(-rows // (COLS_MIN_ROWS_PER_THREAD * ty))))
     rows_per_cta = -(-rows // ctas)
     return ColsPlan(tx, ty, rows_per_cta, -(-rows // rows_per_cta), vectorized)
 

@@ -109,6 +109,16 @@ def main() -> None:
         report(f"BN cl apply_cols ctas/SM={ctas_per_sm} threads={threads}", t_apply, 2 * gbc)
     _plan.SPLIT_CTAS_PER_SM, _plan.COLS_THREADS = 8, 256
     _plan.plan_cols.cache_clear()
+    # GroupNorm(32) fp16 channels_last 16x320x64x64: few rows per sample
+    xg = torch.randn(16, 320, 64, 64, device="cuda", dtype=torch.float16)
+    xg = xg.to(memory_format=torch.channels_last)
+    for min_rows in (4, 16, 32, 64):
+        _plan.COLS_MIN_ROWS_PER_THREAD = min_rows
+        _plan.plan_cols.cache_clear()
+        ms = time_ms(lambda: _ops.group_norm_fwd(xg, 32, None, None, 1e-5))
+        report(f"GN32 fp16 cl forward, >= {min_rows} rows per thread", ms, 2 * xg.numel() * 2 / 1e9)
+    _plan.COLS_MIN_ROWS_PER_THREAD = 32
+    _plan.plan_cols.cache_clear()
     xc = yc = None  # free them for the next section
 
     # on-chip segment kernels under several thread counts (packs per thread)
