@@ -6,30 +6,15 @@ under several team slice sizes. Usage: python scripts/profile_passes.py
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quick_timing import time_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
 from cupynorm import _compile, _ops, _plan  # noqa: E402
-
-
-def time_ms(fn, reps: int = 15) -> float:
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def registers(source: str, kernel: str, dtype: str = "float32") -> int:
