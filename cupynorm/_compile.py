@@ -128,14 +128,32 @@ def _argument_layout(codes: str) -> tuple[struct.Struct, np.ndarray]:
 
 
 def launch(
-    function: Any, grid: int, block: tuple[int, ...], args: tuple, smem: int, stream: int
+    function: Any,
+    device_id: int,
+    grid: int,
+    block: tuple[int, ...],
+    args: tuple,
+    smem: int,
+    stream: int,
 ) -> None:
-    """Launch ``function`` (a CuPy ``Function``) on the stream with handle ``stream``."""
-    from cupy.cuda import driver
+    """Launch ``function`` (a CuPy ``Function`` of device ``device_id``) on the stream with
+    handle ``stream``. The driver launches in the calling thread's current context, so the
+    device is made current for the launch when it is another one (tensors on cuda:1 while
+    cuda:0 is current)."""
+    from cupy.cuda import driver, runtime
 
     packer, offsets = _argument_layout("".join([_CODES[type(a)] for a in args]))
     buffer = ctypes.create_string_buffer(packer.size)
     packer.pack_into(buffer, 0, *args)
     pointers = offsets + np.uint64(ctypes.addressof(buffer))
     bx, by, bz = (*block, 1, 1)[:3]
-    driver.launchKernel(function.ptr, grid, 1, 1, bx, by, bz, smem, stream, pointers.ctypes.data, 0)
+    previous = runtime.getDevice()
+    if previous != device_id:
+        runtime.setDevice(device_id)
+    try:
+        driver.launchKernel(
+            function.ptr, grid, 1, 1, bx, by, bz, smem, stream, pointers.ctypes.data, 0
+        )
+    finally:
+        if previous != device_id:
+            runtime.setDevice(previous)

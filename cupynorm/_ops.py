@@ -68,7 +68,7 @@ class _Call:
         smem: int = 0,
     ) -> None:
         function = get_kernel(self.device, source, kernel, self.dtype, self.param_dtype)
-        launch(function, grid, block, args, smem, self.stream)
+        launch(function, self.device, grid, block, args, smem, self.stream)
 
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)
