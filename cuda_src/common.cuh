@@ -89,7 +89,8 @@ __device__ __forceinline__ Stats stats_merge(const Stats& a, const Stats& b) {
     return Stats{n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
 }
 
-// Exact two-pass statistics of K values held in registers.
+// Exact two-pass statistics of K values held in registers. Callers pass values already shifted
+// by their statistic set's first value (see strided_norm.cu), so the plain sum keeps its digits.
 template <int K>
 __device__ __forceinline__ Stats stats_of(const acc_t (&v)[K]) {
     acc_t s = 0;
@@ -100,14 +101,6 @@ __device__ __forceinline__ Stats stats_of(const acc_t (&v)[K]) {
 #pragma unroll
     for (int i = 0; i < K; ++i) m2 += (v[i] - mean) * (v[i] - mean);
     return Stats{acc_t(K), mean, m2};
-}
-
-template <int V>
-__device__ __forceinline__ Stats stats_of_pack(const Pack<V>& p) {
-    acc_t v[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i) v[i] = to_acc(p.v[i]);
-    return stats_of<V>(v);
 }
 
 // ---- warp / block reductions (fixed order: bitwise reproducible) ------------------------------

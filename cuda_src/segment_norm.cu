@@ -79,22 +79,25 @@ __device__ __forceinline__ void segment_norm_fwd(
     }
     __syncthreads();
 
-    // 2. exact two-pass statistics of the slice (packs read from shared memory)
+    // 2. exact two-pass statistics of the slice (packs read from shared memory), relative to the
+    // segment's first value K: every CTA of a team uses the same K, so means stay small numbers
+    // with all their digits and data of mean 1e4 keeps the variance to ~1e-7 (benchmarks/NOTES.md)
     const Pack<V>* packs = reinterpret_cast<const Pack<V>*>(xs);
+    const acc_t shift = to_acc(x[seg * static_cast<int64>(seg_len)]);
     acc_t s = 0;
     for (int p = tid; p < n_local / V; p += blockDim.x) {
         const Pack<V> v = packs[p];
 #pragma unroll
-        for (int j = 0; j < V; ++j) s += to_acc(v.v[j]);
+        for (int j = 0; j < V; ++j) s += to_acc(v.v[j]) - shift;
     }
     s = block_sum(s, scratch);
-    const acc_t slice_mean = n_local > 0 ? s / acc_t(n_local) : acc_t(0);
+    const acc_t slice_mean = n_local > 0 ? s / acc_t(n_local) : acc_t(0);  // relative to K
     acc_t q = 0;
     for (int p = tid; p < n_local / V; p += blockDim.x) {
         const Pack<V> v = packs[p];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            const acc_t d = to_acc(v.v[j]) - slice_mean;
+            const acc_t d = (to_acc(v.v[j]) - shift) - slice_mean;
             q += d * d;
         }
     }
@@ -125,7 +128,7 @@ __device__ __forceinline__ void segment_norm_fwd(
         st.m2 = scratch[1];
     }
 
-    const acc_t mean = st.mean;
+    const acc_t mean = shift + st.mean;
     const acc_t var = st.m2 / acc_t(seg_len);
     const acc_t rstd = rsqrt_acc(var + eps);
     if (rank == 0 && tid == 0) {

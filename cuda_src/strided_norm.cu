@@ -32,6 +32,9 @@ __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t
                                            int64 set_stride, int64 chunk, int64 ctas_per_set) {
     __shared__ Stats scratch[32];
     const int64 k = blockIdx.x / ctas_per_set, j = blockIdx.x % ctas_per_set;
+    // statistics relative to the set's first value K (the finalize adds it back): small means
+    // with all their digits on offset data; every CTA of the set uses the same K
+    const acc_t shift = to_acc(x[k * set_stride]);
     const int64 f0 = j * chunk, f1 = min(f0 + chunk, n_runs * run_len);
     const int64 step = blockDim.x;
     Stats st = stats_empty();
@@ -48,10 +51,16 @@ __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
-                for (int e = 0; e < V; ++e) v[u * V + e] = to_acc(p[u].v[e]);
+                for (int e = 0; e < V; ++e) v[u * V + e] = to_acc(p[u].v[e]) - shift;
             st = stats_merge(st, stats_of<UNROLL * V>(v));
         }
-        for (; q < q_end; q += step) st = stats_merge(st, stats_of_pack<V>(load_pack<V>(run, q)));
+        for (; q < q_end; q += step) {
+            const Pack<V> p = load_pack<V>(run, q);
+            acc_t v[V];
+#pragma unroll
+            for (int e = 0; e < V; ++e) v[e] = to_acc(p.v[e]) - shift;
+            st = stats_merge(st, stats_of<V>(v));
+        }
     }
     st = block_stats(st, scratch);
     if (threadIdx.x == 0) {
@@ -73,8 +82,8 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
 
 // ------------------------------------------------------------------------------------------------
 // partial statistics, columns layout. Block (TX, TY): thread x owns channels [cp*V, cp*V + V) of a
-// channel tile, thread y strides over the CTA's rows accumulating shifted sums; the TY triples of a
-// channel are then merged in order through shared memory. Grid (1-D): N * ctas_per_n CTAs, CTA (n, chunk) covers rows
+// channel tile, thread y strides over the CTA's rows; the TY triples of a channel are then merged
+// as a tree through shared memory. Grid (1-D): N * ctas_per_n CTAs, CTA (n, chunk) covers rows
 // [chunk * rows_per_cta, ...) of sample n. It writes one triple per (n, chunk, c):
 //   per-sample:  k = n*G + c/Cg, slot = chunk*Cg + c%Cg,   sets of P = ctas_per_n * Cg triples
 //   per-channel: k = c,          slot = n*ctas_per_n + chunk, sets of P = N * ctas_per_n triples
@@ -93,49 +102,41 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     const int64 n_packs = C / V;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
         const int64 cp = tile + tx;
-        // Shifted sums per channel, the shift being the first value this thread reads: M2 =
-        // s2 - s1^2 / n loses nothing that matters, as the shift is one of the values summed
-        // (then M2 >= (shift - mean)^2 (n - 1) / n). Three flops per element instead of a merge.
-        acc_t shift[V], s1[V], s2[V];
-        int64 count = 0;
+        // Per channel: exact statistics of UNROLL rows at a time, Chan-merged into a running
+        // triple. (Shifted sums s2 - s1^2 / n were no faster here and lost up to 5e-5 of the
+        // variance on data of mean 1e4: benchmarks/NOTES.md.)
+        Stats st[V];
+        acc_t shift[V];  // each channel's set's first value K (see stats_rows)
 #pragma unroll
-        for (int e = 0; e < V; ++e) shift[e] = s1[e] = s2[e] = acc_t(0);
-        if (cp < n_packs && r0 + ty < r1) {
-            const Pack<V> first = load_pack<V>(xn + (r0 + ty) * row_stride, cp);
+        for (int e = 0; e < V; ++e) {
+            st[e] = stats_empty();
+            shift[e] = acc_t(0);
+        }
+        if (cp < n_packs) {
 #pragma unroll
-            for (int e = 0; e < V; ++e) shift[e] = to_acc(first.v[e]);
+            for (int e = 0; e < V; ++e) {
+                const int64 c = cp * V + e;
+                shift[e] = groups > 0 ? to_acc(xn[c - c % chans_per_group]) : to_acc(x[c]);
+            }
             int64 r = r0 + ty;
             for (; r + (UNROLL - 1) * TY < r1; r += UNROLL * TY) {
                 Pack<V> p[UNROLL];
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) p[u] = load_pack<V>(xn + (r + u * TY) * row_stride, cp);
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u)
+                for (int e = 0; e < V; ++e) {
+                    acc_t v[UNROLL];
 #pragma unroll
-                    for (int e = 0; e < V; ++e) {
-                        const acc_t d = to_acc(p[u].v[e]) - shift[e];
-                        s1[e] += d;
-                        s2[e] += d * d;
-                    }
-                count += UNROLL;
+                    for (int u = 0; u < UNROLL; ++u) v[u] = to_acc(p[u].v[e]) - shift[e];
+                    st[e] = stats_merge(st[e], stats_of<UNROLL>(v));
+                }
             }
             for (; r < r1; r += TY) {
                 const Pack<V> p = load_pack<V>(xn + r * row_stride, cp);
 #pragma unroll
-                for (int e = 0; e < V; ++e) {
-                    const acc_t d = to_acc(p.v[e]) - shift[e];
-                    s1[e] += d;
-                    s2[e] += d * d;
-                }
-                ++count;
+                for (int e = 0; e < V; ++e)
+                    st[e] = stats_merge(st[e], Stats{acc_t(1), to_acc(p.v[e]) - shift[e], acc_t(0)});
             }
-        }
-        Stats st[V];
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-            const acc_t n = static_cast<acc_t>(count);
-            st[e] = count > 0 ? Stats{n, shift[e] + s1[e] / n, max(s2[e] - s1[e] * s1[e] / n, acc_t(0))}
-                              : stats_empty();
         }
         __syncthreads();  // the previous tile's readers are done with partial_rows
 #pragma unroll
@@ -190,9 +191,14 @@ extern "C" __global__ void strided_norm_stats_cols(const scalar_t* __restrict__ 
 // ------------------------------------------------------------------------------------------------
 // finalize: one warp per statistic set k merges its P triples (lane l takes l, l+32, ... in order,
 // then a fixed shuffle tree). count is the exact element count of a set.
+// The partial means are relative to each set's first value, read back here from x at
+// (k / shift_div) * shift_a + (k % shift_div) * shift_b (rows: k * set_stride; columns, per
+// sample: n * sample_stride + g * Cg; columns, per channel: c).
 extern "C" __global__ void strided_norm_finalize(const acc_t* __restrict__ partials, int64 K, int64 P,
                                                  double count, acc_t eps, acc_t* __restrict__ mean,
-                                                 acc_t* __restrict__ rstd, acc_t* __restrict__ var) {
+                                                 acc_t* __restrict__ rstd, acc_t* __restrict__ var,
+                                                 const scalar_t* __restrict__ x, int64 shift_div,
+                                                 int64 shift_a, int64 shift_b) {
     const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     if (k >= K) return;  // whole warps leave together
@@ -204,7 +210,7 @@ extern "C" __global__ void strided_norm_finalize(const acc_t* __restrict__ parti
     st = warp_stats(st);
     if (lane == 0) {
         const acc_t v = st.m2 / static_cast<acc_t>(count);
-        mean[k] = st.mean;
+        mean[k] = to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b]) + st.mean;
         rstd[k] = rsqrt_acc(v + eps);
         if (var != nullptr) var[k] = v;
     }

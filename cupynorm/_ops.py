@@ -84,38 +84,35 @@ def _prepare(x: Any, bk: Any) -> tuple[Any, str]:
 
 
 # ---- the three passes of the strided path ------------------------------------------------------
+class _Partials(NamedTuple):
+    """Partial (count, mean, M2) triples of statistic sets, and where each set's shift is: the
+    triples' means are relative to the set's first value K, read back by the finalize at
+    x[(k // shift_div) * shift_a + (k % shift_div) * shift_b]."""
+
+    triples: Any
+    per_set: int
+    shift_div: int
+    shift_a: int
+    shift_b: int
+
+
 def _stats_rows(
     call: _Call, x: Any, num_sets: int, n_runs: int, run_len: int, run_stride: int, set_stride: int
-) -> tuple[Any, int]:
-    """Partial triples of sets of contiguous runs; returns (partials, partials per set)."""
+) -> _Partials:
+    """Partial triples of sets of contiguous runs (strided_norm_stats_rows)."""
+    aligned = call.aligned(x, strides=(run_stride, set_stride))
     plan = _plan.plan_rows_stats(
-        num_sets,
-        n_runs * run_len,
-        run_len,
-        call.itemsize,
-        call.aligned(x, strides=(run_stride, set_stride)),
-        call.info,
+        num_sets, n_runs * run_len, run_len, call.itemsize, aligned, call.info
     )
-    partials = call.stats((num_sets * plan.ctas_per_set * 3,), x)
+    triples = call.stats((num_sets * plan.ctas_per_set * 3,), x)
     i64 = np.int64
-    call.launch(
-        _STRIDED,
-        "strided_norm_stats_rows",
-        num_sets * plan.ctas_per_set,
-        (plan.threads,),
-        (
-            call.ptr(x),
-            call.ptr(partials),
-            i64(n_runs),
-            i64(run_len),
-            i64(run_stride),
-            i64(set_stride),
-            i64(plan.chunk),
-            i64(plan.ctas_per_set),
-            np.int32(plan.vectorized),
-        ),
-    )
-    return partials, plan.ctas_per_set
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_stats_rows", num_sets * plan.ctas_per_set,
+                (plan.threads,), (
+        call.ptr(x), call.ptr(triples), i64(n_runs), i64(run_len), i64(run_stride),
+        i64(set_stride), i64(plan.chunk), i64(plan.ctas_per_set), np.int32(plan.vectorized)))
+    # fmt: on
+    return _Partials(triples, plan.ctas_per_set, 1, set_stride, 0)
 
 
 def _stats_cols(
@@ -127,47 +124,33 @@ def _stats_cols(
     sample_stride: int,
     groups: int,
     chans_per_group: int,
-) -> tuple[Any, int]:
-    """Partial triples over channel-innermost data; returns (partials, partials per set)."""
-    plan = _plan.plan_cols(
-        samples, rows, channels, call.itemsize, call.aligned(x, strides=(sample_stride,)), call.info
-    )
+) -> _Partials:
+    """Partial triples over channel-innermost data (strided_norm_stats_cols)."""
+    aligned = call.aligned(x, strides=(sample_stride,))
+    plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info)
     vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1
-    partials = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
+    triples = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
     smem = plan.tx * plan.ty * vec * 3 * np.dtype(call.acc).itemsize
     i64 = np.int64
-    call.launch(
-        _STRIDED,
-        "strided_norm_stats_cols",
-        samples * plan.ctas_per_sample,
-        (plan.tx, plan.ty),
-        (
-            call.ptr(x),
-            call.ptr(partials),
-            i64(samples),
-            i64(rows),
-            i64(channels),
-            i64(channels),
-            i64(sample_stride),
-            i64(plan.rows_per_cta),
-            i64(plan.ctas_per_sample),
-            np.int32(groups),
-            i64(chans_per_group),
-            np.int32(plan.vectorized),
-        ),
-        smem=smem,
-    )
-    per_set = (
-        plan.ctas_per_sample * chans_per_group if groups > 0 else samples * plan.ctas_per_sample
-    )
-    return partials, per_set
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_stats_cols", samples * plan.ctas_per_sample,
+                (plan.tx, plan.ty), (
+        call.ptr(x), call.ptr(triples), i64(samples), i64(rows), i64(channels), i64(channels),
+        i64(sample_stride), i64(plan.rows_per_cta), i64(plan.ctas_per_sample), np.int32(groups),
+        i64(chans_per_group), np.int32(plan.vectorized)), smem=smem)
+    # fmt: on
+    if groups > 0:  # set (n, g) starts at sample n, channel g * Cg
+        return _Partials(
+            triples, plan.ctas_per_sample * chans_per_group, groups, sample_stride, chans_per_group
+        )
+    return _Partials(triples, samples * plan.ctas_per_sample, 1, 1, 0)  # set c starts at c
 
 
 def _finalize(
     call: _Call,
-    partials: Any,
+    x: Any,
+    partials: _Partials,
     num_sets: int,
-    per_set: int,
     count: int,
     eps: float,
     mean: Any,
@@ -175,22 +158,13 @@ def _finalize(
     var: Any,
 ) -> None:
     grid, threads = _plan.finalize_grid(num_sets)
-    call.launch(
-        _STRIDED,
-        "strided_norm_finalize",
-        grid,
-        (threads,),
-        (
-            call.ptr(partials),
-            np.int64(num_sets),
-            np.int64(per_set),
-            np.float64(count),
-            _scalar(call.acc, eps),
-            call.ptr(mean),
-            call.ptr(rstd),
-            call.ptr(var),
-        ),
-    )
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_finalize", grid, (threads,), (
+        call.ptr(partials.triples), np.int64(num_sets), np.int64(partials.per_set),
+        np.float64(count), _scalar(call.acc, eps), call.ptr(mean), call.ptr(rstd), call.ptr(var),
+        call.ptr(x), np.int64(partials.shift_div), np.int64(partials.shift_a),
+        np.int64(partials.shift_b)))
+    # fmt: on
 
 
 class _Elementwise(NamedTuple):
@@ -455,10 +429,10 @@ def group_norm_fwd(
                 np.int32(S), np.int32(Cg), np.int32(G), _scalar(call.acc, eps)))
             # fmt: on
             return outputs
-        partials, per_set = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
+        partials = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
     else:
-        partials, per_set = _stats_cols(call, x, N, S, C, S * C, G, Cg)
-    _finalize(call, partials, N * G, per_set, Cg * S, eps, mean, rstd, var)
+        partials = _stats_cols(call, x, N, S, C, S * C, G, Cg)
+    _finalize(call, x, partials, N * G, Cg * S, eps, mean, rstd, var)
     _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg)
     return outputs
 
@@ -574,10 +548,10 @@ def batch_norm_fwd(
     if S == 1:
         layout = "channels_last"  # (N, C): channels innermost, one row per sample
     if layout == "contiguous":
-        partials, per_set = _stats_rows(call, x, C, N, S, C * S, S)
+        partials = _stats_rows(call, x, C, N, S, C * S, S)
     else:
-        partials, per_set = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
-    _finalize(call, partials, C, per_set, count, eps, mean, rstd, var)
+        partials = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
+    _finalize(call, x, partials, C, count, eps, mean, rstd, var)
     if running_mean is not None:
         call.bk.update_running(running_mean, mean, momentum)
     if running_var is not None:
@@ -636,8 +610,8 @@ def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
         # fmt: on
         return out, mean, rstd
     # rows too long for chip memory: strided statistics, normalize, then the epilogue elementwise
-    partials, per_set = _stats_rows(call, x, rows, 1, D, 0, D)
-    _finalize(call, partials, rows, per_set, D, eps, mean, rstd, None)
+    partials = _stats_rows(call, x, rows, 1, D, 0, D)
+    _finalize(call, x, partials, rows, D, eps, mean, rstd, None)
     _apply(
         call,
         x.reshape(rows, 1, D),

@@ -5,7 +5,9 @@ reproducibility and randomized shapes (hypothesis).
 |---|---|
 | > 2**31 elements (fp16): GN, IN, BN forward; GN backward | chunked torch reference |
 | one GroupNorm segment of > 2**31 elements | equals a chunked float64 reference |
+| offset data, mean 1e4: fp32 mean and variance | within 1e-6 relative of float64 |
 | offset data, mean 1e6 | error bounded by the fp32 mean's rounding, like torch |
+| zero-size dims in every position, forward and backward | empty results, no launch, no error |
 | constant slices (zero variance) | output == bias exactly, no NaN |
 | fp16 values near 6e4 | finite output (statistics in fp32) |
 | channels with scales 1e-3 .. 1e3 | each channel normalized to its own rounding |
@@ -88,6 +90,49 @@ def test_one_segment_longer_than_2_31_elements():
     for c in (0, 3):
         ref = (x[0, c].double() - mean) / torch.sqrt(var + 1e-5)
         assert (y[0, c].double() - ref).abs().max().item() < 8e-3
+
+
+@pytest.mark.parametrize(
+    "shape,groups,memory_format",
+    [
+        ((4, 6, 33, 35), 6, "contiguous"),  # one CTA per plane
+        ((2, 4, 512, 512), 4, "contiguous"),  # teams of 16
+        ((2, 8, 1024, 1024), 1, "contiguous"),  # strided rows (32 MiB segments)
+        ((4, 12, 33, 35), 3, "channels_last"),  # strided columns
+    ],
+)
+def test_statistics_relative_error_offset_1e4(shape, groups, memory_format):
+    """fp32 mean and variance within 1e-6 (relative) of float64 ones on data of mean 1e4, std 1."""
+    x = torch.randn(shape, device="cuda", dtype=torch.float64).add(1e4).float()
+    if memory_format == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    _, mean, _, var = _ops.group_norm_fwd(x, groups, None, None, 1e-5, want_var=True)
+    xd = x.double().reshape(shape[0], groups, -1)
+    ref_mean, ref_var = xd.mean(-1), xd.var(-1, unbiased=False)
+    assert ((mean.double() - ref_mean).abs() / ref_mean.abs()).max().item() <= 1e-6
+    assert ((var.double() - ref_var).abs() / ref_var).max().item() <= 1e-6
+    if groups == shape[1] and memory_format == "contiguous":  # BatchNorm statistics too
+        _, bm, br = _ops.batch_norm_fwd(x, None, None, None, None, True, 0.1, 1e-5)
+        xc = x.double().transpose(0, 1).reshape(shape[1], -1)
+        assert ((bm.double() - xc.mean(-1)).abs() / xc.mean(-1)).max().item() <= 1e-6
+        bvar = 1 / br.double() ** 2 - 1e-5
+        assert ((bvar - xc.var(-1, unbiased=False)).abs()).max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 5, 5), (2, 0, 5, 5), (2, 4, 0, 5), (2, 4, 5, 0), (0, 3)])
+def test_zero_size_in_every_position(shape):
+    x = torch.randn(shape, device="cuda")
+    C = shape[1]
+    w = torch.ones(C, device="cuda")
+    assert cupynorm.group_norm(x, 1 if C == 0 else 2 if C % 2 == 0 else 1, w, w).shape == shape
+    assert cupynorm.batch_norm(x, None, None, w, w, training=True).shape == shape
+    rm, rv = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
+    assert cupynorm.batch_norm(x, rm, rv, w, w, training=False).shape == shape
+    assert torch.equal(rm, torch.zeros(C, device="cuda"))  # eval never writes running stats
+    xr = torch.randn(shape, device="cuda", requires_grad=True)
+    out = cupynorm.group_norm(xr, 1 if C == 0 else 2 if C % 2 == 0 else 1)
+    out.sum().backward()
+    assert xr.grad.shape == shape
 
 
 def test_offset_1e6():
