@@ -22,6 +22,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from small_cnn import SmallCNN
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -647,21 +648,7 @@ def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # torch.compile (aot_eager: no C++ compiler needed) of a small CNN on the kernel route
 # ---------------------------------------------------------------------------------------------
-class SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 3, padding=1, bias=False)  # a bias before BN is moot
-        self.bn = nn.BatchNorm2d(6)
-        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
-        self.gn = nn.GroupNorm(3, 6)
-        self.inorm = nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
-        self.head = nn.Linear(6, 3, bias=False)  # a bias before BN is moot
-        self.bn1d = nn.BatchNorm1d(3)
-
-    def forward(self, x):
-        x = self.inorm(torch.relu(self.bn(self.conv1(x))))
-        x = torch.relu(self.gn(self.conv2(x)))
-        return self.bn1d(self.head(x.mean(dim=(2, 3))))
+# SmallCNN: tests/small_cnn.py
 
 
 def _train(model, xs):

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from small_cnn import SmallCNN
 from torch import nn
 
 import cupynorm.torch as cnt
@@ -34,6 +35,7 @@ def _no_tf32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp32", "fp16", "bf16"]
@@ -427,21 +429,7 @@ def test_opcheck_cuda(name):
 # ---------------------------------------------------------------------------------------------
 # whole models: torch.compile, CUDA graphs, replace_norms, autocast, streams
 # ---------------------------------------------------------------------------------------------
-class SmallCNN(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 3, padding=1, bias=False)  # a bias before BN is moot
-        self.bn = nn.BatchNorm2d(6)
-        self.conv2 = nn.Conv2d(6, 6, 3, padding=1)
-        self.gn = nn.GroupNorm(3, 6)
-        self.inorm = nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
-        self.head = nn.Linear(6, 3, bias=False)  # a bias before BN is moot
-        self.bn1d = nn.BatchNorm1d(3)
-
-    def forward(self, x):
-        x = self.inorm(torch.relu(self.bn(self.conv1(x))))
-        x = torch.relu(self.gn(self.conv2(x)))
-        return self.bn1d(self.head(x.mean(dim=(2, 3))))
+# SmallCNN: tests/small_cnn.py
 
 
 def _model_steps(model, xs, lr=0.05):
