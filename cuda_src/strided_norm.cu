@@ -560,7 +560,7 @@ extern "C" __global__ void strided_norm_bwd_sums_cols(
 extern "C" __global__ void strided_norm_bwd_finalize(
     const acc_t* __restrict__ partials, int64 NP, int64 C, int64 T, const acc_t* __restrict__ rstd,
     const param_t* __restrict__ weight, int groups, int64 chans_per_group, int64 K, double count,
-    int training, acc_t* __restrict__ dweight, acc_t* __restrict__ dbias, acc_t* __restrict__ u,
+    int training, void* __restrict__ dweight, void* __restrict__ dbias, acc_t* __restrict__ u,
     acc_t* __restrict__ v) {
     const int64 warp = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
@@ -577,9 +577,14 @@ extern "C" __global__ void strided_norm_bwd_finalize(
         }
         dw = warp_sum(dw);
         db = warp_sum(db);
-        if (lane == 0) {
-            if (dweight != nullptr) dweight[c] = dw;
-            if (dbias != nullptr) dbias[c] = db;
+        if (lane == 0) {  // in the weight's type (no conversion pass), in acc_t without weight
+            if (weight != nullptr) {
+                if (dweight != nullptr) static_cast<param_t*>(dweight)[c] = from_acc<param_t>(dw);
+                if (dbias != nullptr) static_cast<param_t*>(dbias)[c] = from_acc<param_t>(db);
+            } else {
+                if (dweight != nullptr) static_cast<acc_t*>(dweight)[c] = dw;
+                if (dbias != nullptr) static_cast<acc_t*>(dbias)[c] = db;
+            }
         }
         return;
     }

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import hashlib
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def _module(device_id: int, name: str, dtype: str, param_dtype: str | None) -> A
 # attribute numbers of CUDA's driver API (CUfunction_attribute in cuda.h)
 _SHARED_SIZE_BYTES = 1
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 @functools.cache
@@ -111,49 +113,108 @@ def get_kernel(
 
 
 # ---- launching ---------------------------------------------------------------------------------
-# Kernel arguments are numpy scalars whose type is the C parameter type. They are packed with
-# struct into one buffer and handed to cuLaunchKernel as an array of pointers into it: about a
-# third of the host time of CuPy's generic per-argument launch path for these 10-17 arguments.
+# Kernel arguments are packed with struct into one buffer and handed to cuLaunchKernel as an array
+# of pointers into it: a fraction of the host time of CuPy's generic per-argument launch path for
+# these 10-17 arguments. The driver copies the arguments during the call, so each thread reuses one
+# buffer per kernel signature.
+#: struct codes of the argument types: pointers and int64 are 8 bytes, int32 and float32 4
 _CODES = {np.uint64: "Q", np.int64: "q", np.int32: "i", np.float32: "f", np.float64: "d"}
 
 
+def argument_codes(args: tuple) -> str:
+    """The struct codes of an argument list of numpy scalars (np.uint64 for pointers)."""
+    return "".join([_CODES[type(a)] for a in args])
+
+
+class Launcher:
+    """One compiled kernel and the packer of its argument list, ready to launch.
+
+    ``launch`` takes plain Python ints and floats (or numpy scalars) in the order of ``codes``.
+    """
+
+    __slots__ = ("function", "device_id", "ptr", "codes", "_packer", "_offsets", "_local")
+
+    def __init__(self, function: Any, device_id: int, codes: str) -> None:
+        self.function = function  # keeps the module (and so the function pointer) alive
+        self.device_id = device_id
+        self.ptr = function.ptr
+        self.codes = codes
+        self._packer = struct.Struct("@" + codes)
+        self._offsets = [
+            struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + codes[i])
+            for i in range(len(codes))
+        ]
+        self._local = threading.local()
+
+    def _buffers(self) -> tuple[Any, Any, int]:
+        """This thread's argument buffer, its array of argument pointers and that array's
+        address (the driver copies the arguments during the call, so they are reused)."""
+        try:
+            return self._local.buffers
+        except AttributeError:
+            buffer = ctypes.create_string_buffer(max(1, self._packer.size))
+            base = ctypes.addressof(buffer)
+            pointers = (ctypes.c_void_p * max(1, len(self._offsets)))(
+                *[base + offset for offset in self._offsets]
+            )
+            self._local.buffers = (buffer, pointers, ctypes.addressof(pointers))
+            return self._local.buffers
+
+    def launch(
+        self, grid: int, block: tuple[int, ...], smem: int, stream: int, args: tuple | list
+    ) -> None:
+        """Launch on the stream with handle ``stream`` in the calling thread's current context."""
+        buffer, _pointers, address = self._buffers()
+        self._packer.pack_into(buffer, 0, *args)
+        bx, by, bz = (*block, 1, 1)[:3]
+        driver = _driver()
+        try:
+            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+        except driver.CUDADriverError as error:
+            # a thread that has not used CUDA yet has no current context: make the device's
+            # primary context current (cudaSetDevice) and launch again
+            if error.status != _CUDA_ERROR_INVALID_CONTEXT:
+                raise
+            _runtime().setDevice(self.device_id)
+            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+
+
 @functools.cache
-def _argument_layout(codes: str) -> tuple[struct.Struct, np.ndarray]:
-    """The packer of an argument list and each argument's offset in the packed buffer."""
-    offsets = [
-        struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + codes[i])
-        for i in range(len(codes))
-    ]
-    return struct.Struct("@" + codes), np.asarray(offsets, dtype=np.uint64)
+def _driver() -> Any:
+    from cupy.cuda import driver
+
+    return driver
 
 
-def launch(
-    function: Any,
-    device_id: int,
-    grid: int,
-    block: tuple[int, ...],
-    args: tuple,
-    smem: int,
-    stream: int,
-) -> None:
-    """Launch ``function`` (a CuPy ``Function`` of device ``device_id``) on the stream with
-    handle ``stream``. The driver launches in the calling thread's current context, so the
-    device is made current for the launch when it is another one (tensors on cuda:1 while
-    cuda:0 is current)."""
-    from cupy.cuda import driver, runtime
+@functools.cache
+def _runtime() -> Any:
+    from cupy.cuda import runtime
 
-    packer, offsets = _argument_layout("".join([_CODES[type(a)] for a in args]))
-    buffer = ctypes.create_string_buffer(packer.size)
-    packer.pack_into(buffer, 0, *args)
-    pointers = offsets + np.uint64(ctypes.addressof(buffer))
-    bx, by, bz = (*block, 1, 1)[:3]
-    previous = runtime.getDevice()
-    if previous != device_id:
-        runtime.setDevice(device_id)
-    try:
-        driver.launchKernel(
-            function.ptr, grid, 1, 1, bx, by, bz, smem, stream, pointers.ctypes.data, 0
-        )
-    finally:
-        if previous != device_id:
-            runtime.setDevice(previous)
+    return runtime
+
+
+@functools.cache
+def launcher(
+    device_id: int, name: str, kernel: str, dtype: str, param_dtype: str | None, codes: str
+) -> Launcher:
+    """The Launcher of one kernel variant for arguments of type ``codes``, cached."""
+    return Launcher(get_kernel(device_id, name, kernel, dtype, param_dtype), device_id, codes)
+
+
+class current_device:
+    """Context manager: ``device_id`` is the calling thread's current device inside (the driver
+    launches in the current context: tensors on cuda:1 while cuda:0 is current)."""
+
+    __slots__ = ("device_id", "previous")
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+
+    def __enter__(self) -> None:
+        self.previous = _runtime().getDevice()
+        if self.previous != self.device_id:
+            _runtime().setDevice(self.device_id)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous != self.device_id:
+            _runtime().setDevice(self.previous)

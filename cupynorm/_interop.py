@@ -49,6 +49,14 @@ class TorchBackend:
     def dtype_name(self, x: Any) -> str | None:
         return self.to_name.get(x.dtype)
 
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, self.torch.Tensor)
+
+    @staticmethod
+    def signature(x: Any) -> tuple:
+        """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
+        return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
+
     @staticmethod
     def ptr(x: Any) -> int:
         return x.data_ptr()
@@ -74,6 +82,13 @@ class TorchBackend:
 
     def empty_strided_like(self, x: Any) -> Any:
         return self.torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+    def empty_strided(
+        self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, like: Any
+    ) -> Any:
+        return self.torch.empty_strided(
+            shape, strides, dtype=self.from_name[dtype], device=like.device
+        )
 
     @staticmethod
     def contiguous(x: Any) -> Any:
@@ -116,6 +131,14 @@ class CupyBackend:
         name = x.dtype.name
         return name if name in DTYPE_NAMES else None
 
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, self.cupy.ndarray)
+
+    @staticmethod
+    def signature(x: Any) -> tuple:
+        """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
+        return (x.shape, x.strides, x.dtype.char, x.data.ptr % 16)
+
     @staticmethod
     def ptr(x: Any) -> int:
         return x.data.ptr
@@ -141,11 +164,17 @@ class CupyBackend:
             return self.cupy.zeros(n, dtype="int32")
 
     def empty_strided_like(self, x: Any) -> Any:
-        # allocate in the order of decreasing strides, then view back into x's axis order
-        order = sorted(range(x.ndim), key=lambda d: (-x.strides[d], d))
-        with x.device:
-            base = self.cupy.empty(tuple(x.shape[d] for d in order), dtype=x.dtype)
-        inverse = [order.index(d) for d in range(x.ndim)]
+        return self.empty_strided(x.shape, self.strides(x), x.dtype.name, x)
+
+    def empty_strided(
+        self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, like: Any
+    ) -> Any:
+        """An array laid out like one of these strides (the order of its axes in memory)."""
+        # allocate in the order of decreasing strides, then view back into the given axis order
+        order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
+        with like.device:
+            base = self.cupy.empty(tuple(shape[d] for d in order), dtype=dtype)
+        inverse = [order.index(d) for d in range(len(shape))]
         return base.transpose(inverse)
 
     def contiguous(self, x: Any) -> Any:

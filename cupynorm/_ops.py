@@ -8,12 +8,15 @@ docs/internal-api.md for the contract.
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _plan
-from ._compile import get_kernel, launch
+from . import _compile, _plan
+from ._compile import argument_codes, current_device
 from ._interop import backend_of
 
 _SEGMENT = "segment_norm.cu"
@@ -34,16 +37,29 @@ def _scalar(dtype: str, value: float) -> Any:
 class _Call:
     """What every launch of one call shares: backend, device, stream, dtype."""
 
-    __slots__ = ("bk", "device", "stream", "dtype", "param_dtype", "acc", "itemsize", "vec", "info")
+    __slots__ = (
+        "bk",
+        "device",
+        "stream",
+        "dtype",
+        "param_dtype",
+        "acc",
+        "itemsize",
+        "vec",
+        "info",
+        "recording",
+    )
 
     def __init__(self, x: Any, weight: Any = None) -> None:
-        self.bk = backend_of(x)
-        self.device = self.bk.device_id(x)
-        self.stream = self.bk.stream(self.device)
-        self.dtype = self.bk.dtype_name(x)
+        bk = backend_of(x)
+        self.recording = _active.recording
+        self.bk = bk if self.recording is None else _RecordingBackend(bk, self.recording)
+        self.device = bk.device_id(x)
+        self.stream = bk.stream(self.device)
+        self.dtype = bk.dtype_name(x)
         self.acc = _acc(self.dtype)
         # weight/bias in float32 beside a half-precision input: a module variant of its own
-        param = self.bk.dtype_name(weight) if weight is not None else None
+        param = bk.dtype_name(weight) if weight is not None else None
         self.param_dtype = param if param not in (None, self.dtype) else None
         self.itemsize = _ITEMSIZE[self.dtype]
         self.vec = _plan.vec_width(self.itemsize)
@@ -67,11 +83,192 @@ class _Call:
         args: tuple,
         smem: int = 0,
     ) -> None:
-        function = get_kernel(self.device, source, kernel, self.dtype, self.param_dtype)
-        launch(function, self.device, grid, block, args, smem, self.stream)
+        """Launch with numpy-scalar arguments (np.uint64 for pointers); recorded when recording."""
+        launcher = _compile.launcher(
+            self.device, source, kernel, self.dtype, self.param_dtype, argument_codes(args)
+        )
+        if self.recording is not None:
+            self.recording.step(launcher, grid, block, smem, args)
+        with current_device(self.device):
+            launcher.launch(grid, block, smem, self.stream, args)
 
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)
+
+    def opaque(self) -> None:
+        """Mark the call as doing work outside the backend and launches (not recordable)."""
+        if self.recording is not None:
+            self.recording.ok = False
+
+    def grads(self, shape: tuple[int, ...], weight: Any, like: Any) -> Any:
+        """dweight/dbias: in the weight's dtype (the kernels convert), else the accumulator's."""
+        dtype = self.acc if weight is None else self.bk.dtype_name(weight)
+        return self.bk.empty(shape, dtype, like)
+
+
+# ---- programs: a call's launches recorded once per signature, replayed after ------------------
+# The planning above costs tens of microseconds of Python per call, as much as the kernels of a
+# small problem. Everything it decides depends only on the call's signature (shapes, strides,
+# dtypes, 16-byte alignment of the pointers, the scalar arguments), so the first call with a
+# signature runs it while recording the allocations and launches; later calls allocate the same
+# outputs and replay the launches with the new pointers. A call that does anything else (a copy, a
+# torch/CuPy operation, an input passed twice) is not recorded and always runs the full path.
+class _Active(threading.local):
+    recording: _Recording | None = None
+
+
+_active = _Active()
+_PURE_BACKEND = frozenset({"name", "ptr", "strides", "device_id", "stream", "dtype_name"})
+_PROGRAMS: dict[tuple, Any] = {}
+_PROGRAMS_MAX = 4096  # distinct signatures kept; the cache is cleared when it is full
+_UNRECORDABLE = object()
+#: Test hook: when set, a recorded call is replayed at once and this is called with both calls'
+#: outputs (the GPU tests assert they are identical, so every test exercises the replay).
+check_replay: Callable[[tuple, tuple], None] | None = None
+
+
+class _Recording:
+    def __init__(self, bk: Any, tensors: list) -> None:
+        self.bk = bk
+        self.ok = True
+        self.objects = list(tensors)  # the inputs, then every allocation in order
+        self.sources: dict[int, int] = {}  # pointer -> index into objects
+        for i, t in enumerate(tensors):
+            p = bk.ptr(t)
+            if p in self.sources:  # the same memory passed twice: aliasing is not in the key
+                self.ok = False
+            if p:
+                self.sources[p] = i
+        self.allocations: list[tuple[str, tuple]] = []
+        self.steps: list[tuple] = []
+
+    def allocated(self, obj: Any, method: str, args: tuple) -> Any:
+        p = self.bk.ptr(obj)
+        if p:
+            self.sources[p] = len(self.objects)
+        self.objects.append(obj)
+        self.allocations.append((method, args))
+        return obj
+
+    def step(self, launcher: Any, grid: int, block: tuple, smem: int, args: tuple) -> None:
+        template, slots = [], []
+        for i, a in enumerate(args):
+            value = a.item()
+            if type(a) is np.uint64 and value:
+                source = self.sources.get(value)
+                if source is None:  # a pointer not to an input or an allocation
+                    self.ok = False
+                slots.append((i, source))
+            template.append(value)
+        self.steps.append((launcher, grid, tuple(block), smem, tuple(template), tuple(slots)))
+
+    def program(self, outputs: tuple) -> _Program | None:
+        indices = []
+        for out in outputs:
+            if out is None:
+                indices.append(None)
+                continue
+            index = next((i for i, o in enumerate(self.objects) if o is out), None)
+            if index is None:
+                return None
+            indices.append(index)
+        if not self.ok:
+            return None
+        return _Program(tuple(self.allocations), tuple(self.steps), tuple(indices))
+
+
+class _RecordingBackend:
+    """The backend, with allocations recorded and anything else marking the call unrecordable."""
+
+    def __init__(self, bk: Any, recording: _Recording) -> None:
+        self._bk, self._recording = bk, recording
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        out = self._bk.empty(shape, dtype, like)
+        return self._recording.allocated(out, "empty", (tuple(shape), dtype))
+
+    def zeros_int32(self, n: int, like: Any) -> Any:
+        return self._recording.allocated(self._bk.zeros_int32(n, like), "zeros_int32", (n,))
+
+    def empty_strided_like(self, x: Any) -> Any:
+        out = self._bk.empty_strided_like(x)
+        args = (tuple(x.shape), tuple(self._bk.strides(x)), self._bk.dtype_name(x))
+        return self._recording.allocated(out, "empty_strided", args)
+
+    def contiguous(self, x: Any) -> Any:
+        out = self._bk.contiguous(x)
+        if self._bk.ptr(out) != self._bk.ptr(x):  # a copy
+            self._recording.ok = False
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _PURE_BACKEND:
+            self._recording.ok = False
+        return getattr(self._bk, name)
+
+
+class _Program:
+    """A recorded call: allocate, then launch with the new pointers."""
+
+    __slots__ = ("allocations", "steps", "outputs")
+
+    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple) -> None:
+        self.allocations, self.steps, self.outputs = allocations, steps, outputs
+
+    def run(self, bk: Any, device: int, tensors: list) -> tuple:
+        like = tensors[0]
+        objects = list(tensors)
+        for method, args in self.allocations:
+            objects.append(getattr(bk, method)(*args, like))
+        pointers = [bk.ptr(o) for o in objects]
+        stream = bk.stream(device)
+        with current_device(device):
+            for launcher, grid, block, smem, template, slots in self.steps:
+                args = list(template)
+                for i, source in slots:
+                    args[i] = pointers[source]
+                launcher.launch(grid, block, smem, stream, args)
+        return tuple(None if i is None else objects[i] for i in self.outputs)
+
+
+def _programmed(op: Any) -> Any:
+    """Run ``op`` through the program cache (see above). Its first argument is a tensor."""
+    name = op.__name__
+
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bk = backend_of(args[0])
+        is_array = bk.is_array
+        tensors = [a for a in args if is_array(a)]
+        device = bk.device_id(args[0])
+        key = (
+            name,
+            bk.name,
+            device,
+            *[bk.signature(a) if is_array(a) else a for a in args],
+            *kwargs.items(),
+        )
+        program = _PROGRAMS.get(key)
+        if program is _UNRECORDABLE or _active.recording is not None:
+            return op(*args, **kwargs)
+        if program is not None:
+            return program.run(bk, device, tensors)
+        recording = _Recording(bk, tensors)
+        _active.recording = recording
+        try:
+            outputs = op(*args, **kwargs)
+        finally:
+            _active.recording = None
+        if len(_PROGRAMS) >= _PROGRAMS_MAX:
+            _PROGRAMS.clear()
+        program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
+        if check_replay is not None and program is not _UNRECORDABLE:
+            replayed = program.run(bk, device, tensors)
+            check_replay(outputs, replayed)
+            return replayed
+        return outputs
+
+    return run
 
 
 def _prepare(x: Any, bk: Any) -> tuple[Any, str]:
@@ -287,8 +484,8 @@ def _backward(
     geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, dy, dx))
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
-    dweight = call.stats((C,), x) if need_dw else None
-    dbias = call.stats((C,), x) if need_db else None
+    dweight = call.grads((C,), weight, x) if need_dw else None
+    dbias = call.grads((C,), weight, x) if need_db else None
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     if N * C * S == 0:
         for grad in (dweight, dbias):
@@ -367,14 +564,6 @@ def _bwd_finalize(
     # fmt: on
 
 
-def _grad_dtype(call: _Call, grad: Any, like: Any) -> Any:
-    """A weight/bias gradient (accumulated in fp32) in the parameter's dtype."""
-    if grad is None or like is None:
-        return grad
-    name = call.bk.dtype_name(like)
-    return grad if name == call.acc else call.bk.astype(grad, name)
-
-
 def _segment_launch(
     call: _Call, plan: _plan.SegmentPlan, num_segments: int, like: Any, kernel: str, args: tuple
 ) -> None:
@@ -401,6 +590,7 @@ def _segment_launch(
 
 
 # ---- group norm (instance norm is group norm with one channel per group) ----------------------
+@_programmed
 def group_norm_fwd(
     x: Any, num_groups: int, weight: Any, bias: Any, eps: float, *, want_var: bool = False
 ) -> tuple:
@@ -446,6 +636,7 @@ def _match_layout(call: _Call, t: Any, ref: Any) -> Any:
     return out
 
 
+@_programmed
 def group_norm_bwd(
     dy: Any,
     x: Any,
@@ -468,12 +659,10 @@ def group_norm_bwd(
     if layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
         on_chip = _instance_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, needs_input_grad)
         if on_chip is not None:
-            dx, dw, db = on_chip
-            return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
-    dx, dw, db = _backward(
+            return on_chip
+    return _backward(
         call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True, needs_input_grad
     )
-    return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
 
 
 def _instance_bwd_on_chip(
@@ -507,8 +696,8 @@ def _instance_bwd_on_chip(
         smem=plan.smem)
     # fmt: on
     need_dw = needs_input_grad[1] and weight is not None
-    dweight = call.stats((C,), x) if need_dw else None
-    dbias = call.stats((C,), x) if needs_input_grad[2] else None
+    dweight = call.grads((C,), weight, x) if need_dw else None
+    dbias = call.grads((C,), weight, x) if needs_input_grad[2] else None
     if dweight is not None or dbias is not None:  # sums[n, c] -> per-channel, over the batch
         _bwd_finalize(
             call, sums, N, C, 1, rstd, weight, C, 1, 0, 0, False, dweight, dbias, None, None
@@ -517,6 +706,7 @@ def _instance_bwd_on_chip(
 
 
 # ---- batch norm ---------------------------------------------------------------------------
+@_programmed
 def batch_norm_fwd(
     x: Any,
     weight: Any,
@@ -561,6 +751,7 @@ def batch_norm_fwd(
     return y, mean, rstd
 
 
+@_programmed
 def batch_norm_bwd(
     dy: Any,
     x: Any,
@@ -581,13 +772,13 @@ def batch_norm_bwd(
     S = _plan.prod(tuple(x.shape[2:]))
     if S == 1:
         layout = "channels_last"
-    dx, dw, db = _backward(
+    return _backward(
         call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0, 1, training, needs_input_grad
     )
-    return dx, _grad_dtype(call, dw, weight), _grad_dtype(call, db, weight)
 
 
 # ---- the seed-002 tail: row norm, then (xhat + y) * y ---------------------------------------
+@_programmed
 def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
     """out = (xhat + other) * other with xhat the row-normalized x; returns (out, mean, rstd)."""
     call = _Call(x)
@@ -627,11 +818,13 @@ def row_norm_add_mul_fwd(x: Any, other: Any, eps: float) -> tuple:
         1,
         1,
     )
+    call.opaque()
     out += other
     out *= other
     return out, mean, rstd
 
 
+@_programmed
 def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) -> tuple:
     """(dx, dother) of row_norm_add_mul_fwd: out = xhat * r + r^2 with r = other, so
     dother = dout * (xhat + 2 r) and dxhat = dout * r, taken through the row norm's backward.

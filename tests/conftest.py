@@ -31,3 +31,37 @@ def poison_cupy_pool(nbytes: int = 64 << 20) -> None:
     block = cupy.empty(nbytes // 4, dtype=cupy.float32)
     block.fill(cupy.nan)
     del block
+
+
+def _assert_identical(recorded: tuple, replayed: tuple) -> None:
+    """The outputs of a call and of its replay: same dtype, shape, strides, bits."""
+    assert len(recorded) == len(replayed)
+    for a, b in zip(recorded, replayed, strict=True):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if type(a).__module__.startswith("cupy"):
+            import cupy
+
+            assert a.strides == b.strides
+            cupy.testing.assert_array_equal(a, b)
+        else:
+            import torch
+
+            assert a.stride() == b.stride()
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _replay_every_recorded_call():
+    """On a GPU, every call the host code records is replayed at once and both outputs compared,
+    so each test checks the replay path (cupynorm._ops programs) as well as the first call."""
+    if not cuda_available():
+        yield
+        return
+    from cupynorm import _ops
+
+    _ops.check_replay = _assert_identical
+    yield
+    _ops.check_replay = None

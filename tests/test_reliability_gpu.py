@@ -237,6 +237,32 @@ def test_two_threads_two_streams():
         torch.testing.assert_close(results[i].double(), refs[i], atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("api", ["torch", "host"])
+def test_thread_that_never_used_cuda(api):
+    """A new thread has no current CUDA context until something makes one: the first launch
+    there (a replayed program too) must not fail with an invalid context."""
+    x = torch.randn(3, 10, 19, 23, device="cuda")
+    ref = F.group_norm(x.double(), 5)
+    outcome: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            if api == "torch":
+                outcome["y"] = cupynorm.group_norm(x, 5)
+            else:  # the host layer alone: no torch call makes the context current first
+                outcome["y"] = _ops.group_norm_fwd(x, 5, None, None, 1e-5)[0]
+            torch.cuda.current_stream().synchronize()
+        except BaseException as error:  # reported in the main thread
+            outcome["error"] = error
+
+    for _ in range(2):  # the first call records, the second replays
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        assert "error" not in outcome, outcome.get("error")
+        torch.testing.assert_close(outcome.pop("y").double(), ref, atol=3e-5, rtol=3e-5)
+
+
 def test_second_gpu():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
