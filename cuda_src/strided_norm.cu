@@ -194,11 +194,15 @@ extern "C" __global__ void strided_norm_stats_cols(const scalar_t* __restrict__ 
 // The partial means are relative to each set's first value, read back here from x at
 // (k / shift_div) * shift_a + (k % shift_div) * shift_b (rows: k * set_stride; columns, per
 // sample: n * sample_stride + g * Cg; columns, per channel: c).
-extern "C" __global__ void strided_norm_finalize(const acc_t* __restrict__ partials, int64 K, int64 P,
-                                                 double count, acc_t eps, acc_t* __restrict__ mean,
-                                                 acc_t* __restrict__ rstd, acc_t* __restrict__ var,
-                                                 const scalar_t* __restrict__ x, int64 shift_div,
-                                                 int64 shift_a, int64 shift_b) {
+// Running statistics (batch norm), when given, are updated here as torch does:
+//   running_mean = (1 - momentum) * running_mean + momentum * mean
+//   running_var  = (1 - momentum) * running_var  + momentum * var * unbias  (count / (count - 1))
+extern "C" __global__ void strided_norm_finalize(
+    const acc_t* __restrict__ partials, int64 K, int64 P, double count, acc_t eps,
+    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
+    const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
+    param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
+    acc_t unbias) {
     const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     if (k >= K) return;  // whole warps leave together
@@ -210,10 +214,28 @@ extern "C" __global__ void strided_norm_finalize(const acc_t* __restrict__ parti
     st = warp_stats(st);
     if (lane == 0) {
         const acc_t v = st.m2 / static_cast<acc_t>(count);
-        mean[k] = to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b]) + st.mean;
+        const acc_t m = to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b]) + st.mean;
+        mean[k] = m;
         rstd[k] = rsqrt_acc(v + eps);
         if (var != nullptr) var[k] = v;
+        const acc_t keep = acc_t(1) - momentum;
+        if (running_mean != nullptr)
+            running_mean[k] = from_acc<param_t>(keep * to_acc(running_mean[k]) + momentum * m);
+        if (running_var != nullptr)
+            running_var[k] =
+                from_acc<param_t>(keep * to_acc(running_var[k]) + momentum * (v * unbias));
     }
+}
+
+// eval-mode statistics from the running ones: mean = running_mean, rstd = 1 / sqrt(running_var + eps)
+extern "C" __global__ void strided_norm_running_stats(const param_t* __restrict__ running_mean,
+                                                      const param_t* __restrict__ running_var,
+                                                      int64 C, acc_t eps, acc_t* __restrict__ mean,
+                                                      acc_t* __restrict__ rstd) {
+    const int64 c = static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    mean[c] = to_acc(running_mean[c]);
+    rstd[c] = rsqrt_acc(to_acc(running_var[c]) + eps);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ class TorchBackend:
         import torch
 
         self.torch = torch
+        self.array_type = torch.Tensor
         self.to_name = {
             torch.float32: "float32",
             torch.float64: "float64",
@@ -49,8 +50,6 @@ class TorchBackend:
     def dtype_name(self, x: Any) -> str | None:
         return self.to_name.get(x.dtype)
 
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, self.torch.Tensor)
 
     @staticmethod
     def signature(x: Any) -> tuple:
@@ -126,13 +125,12 @@ class CupyBackend:
         import cupy
 
         self.cupy = cupy
+        self.array_type = cupy.ndarray
 
     def dtype_name(self, x: Any) -> str | None:
         name = x.dtype.name
         return name if name in DTYPE_NAMES else None
 
-    def is_array(self, x: Any) -> bool:
-        return isinstance(x, self.cupy.ndarray)
 
     @staticmethod
     def signature(x: Any) -> tuple:

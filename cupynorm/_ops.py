@@ -95,6 +95,11 @@ class _Call:
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)
 
+    def mutates_inputs(self) -> None:
+        """Mark the call as writing to some of its inputs (running statistics)."""
+        if self.recording is not None:
+            self.recording.mutating = True
+
     def opaque(self) -> None:
         """Mark the call as doing work outside the backend and launches (not recordable)."""
         if self.recording is not None:
@@ -123,7 +128,8 @@ _PROGRAMS: dict[tuple, Any] = {}
 _PROGRAMS_MAX = 4096  # distinct signatures kept; the cache is cleared when it is full
 _UNRECORDABLE = object()
 #: Test hook: when set, a recorded call is replayed at once and this is called with both calls'
-#: outputs (the GPU tests assert they are identical, so every test exercises the replay).
+#: outputs (the GPU tests assert they are identical, so every test exercises the replay). Calls
+#: that update running statistics in place are replayed only when called again.
 check_replay: Callable[[tuple, tuple], None] | None = None
 
 
@@ -131,6 +137,7 @@ class _Recording:
     def __init__(self, bk: Any, tensors: list) -> None:
         self.bk = bk
         self.ok = True
+        self.mutating = False  # the kernels write to an input: a replay is not idempotent
         self.objects = list(tensors)  # the inputs, then every allocation in order
         self.sources: dict[int, int] = {}  # pointer -> index into objects
         for i, t in enumerate(tensors):
@@ -174,7 +181,7 @@ class _Recording:
             indices.append(index)
         if not self.ok:
             return None
-        return _Program(tuple(self.allocations), tuple(self.steps), tuple(indices))
+        return _Program(tuple(self.allocations), tuple(self.steps), tuple(indices), self.mutating)
 
 
 class _RecordingBackend:
@@ -210,17 +217,19 @@ class _RecordingBackend:
 class _Program:
     """A recorded call: allocate, then launch with the new pointers."""
 
-    __slots__ = ("allocations", "steps", "outputs")
+    __slots__ = ("allocations", "steps", "outputs", "mutating")
 
-    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple) -> None:
+    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool) -> None:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
+        self.mutating = mutating
 
     def run(self, bk: Any, device: int, tensors: list) -> tuple:
         like = tensors[0]
         objects = list(tensors)
         for method, args in self.allocations:
             objects.append(getattr(bk, method)(*args, like))
-        pointers = [bk.ptr(o) for o in objects]
+        ptr = bk.ptr
+        pointers = [ptr(o) for o in objects]
         stream = bk.stream(device)
         with current_device(device):
             for launcher, grid, block, smem, template, slots in self.steps:
@@ -238,16 +247,17 @@ def _programmed(op: Any) -> Any:
     @functools.wraps(op)
     def run(*args: Any, **kwargs: Any) -> Any:
         bk = backend_of(args[0])
-        is_array = bk.is_array
-        tensors = [a for a in args if is_array(a)]
-        device = bk.device_id(args[0])
-        key = (
-            name,
-            bk.name,
-            device,
-            *[bk.signature(a) if is_array(a) else a for a in args],
-            *kwargs.items(),
-        )
+        array_type, signature = bk.array_type, bk.signature
+        tensors = []
+        key = [name, bk.name, bk.device_id(args[0]), *kwargs.items()]
+        for a in args:
+            if isinstance(a, array_type):
+                tensors.append(a)
+                key.append(signature(a))
+            else:
+                key.append(a)
+        key = tuple(key)
+        device = key[2]
         program = _PROGRAMS.get(key)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs)
@@ -262,7 +272,7 @@ def _programmed(op: Any) -> Any:
         if len(_PROGRAMS) >= _PROGRAMS_MAX:
             _PROGRAMS.clear()
         program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
-        if check_replay is not None and program is not _UNRECORDABLE:
+        if check_replay is not None and program is not _UNRECORDABLE and not program.mutating:
             replayed = program.run(bk, device, tensors)
             check_replay(outputs, replayed)
             return replayed
@@ -353,14 +363,21 @@ def _finalize(
     mean: Any,
     rstd: Any,
     var: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    momentum: float = 0.0,
 ) -> None:
+    """Merge the partial triples into mean, rstd (and var); running statistics given are updated
+    in the same kernel (batch norm, with the unbiased variance)."""
     grid, threads = _plan.finalize_grid(num_sets)
+    unbias = count / (count - 1) if count > 1 else float("nan")
     # fmt: off
     call.launch(_STRIDED, "strided_norm_finalize", grid, (threads,), (
         call.ptr(partials.triples), np.int64(num_sets), np.int64(partials.per_set),
         np.float64(count), _scalar(call.acc, eps), call.ptr(mean), call.ptr(rstd), call.ptr(var),
         call.ptr(x), np.int64(partials.shift_div), np.int64(partials.shift_a),
-        np.int64(partials.shift_b)))
+        np.int64(partials.shift_b), call.ptr(running_mean), call.ptr(running_var),
+        _scalar(call.acc, momentum), _scalar(call.acc, unbias)))
     # fmt: on
 
 
@@ -723,9 +740,21 @@ def batch_norm_fwd(
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     y = call.bk.empty_strided_like(x)
+    # running statistics the kernels update (or read) in place: those of the weight's type
+    running = tuple(t for t in (running_mean, running_var) if t is not None)
+    in_kernel = all(call.bk.dtype_name(t) == (call.param_dtype or call.dtype) for t in running)
     if not training:
-        mean = call.bk.astype(running_mean, call.acc)
-        rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
+        if in_kernel:
+            mean, rstd = call.stats((C,), x), call.stats((C,), x)
+            if C:
+                # fmt: off
+                call.launch(_STRIDED, "strided_norm_running_stats", -(-C // 256), (256,), (
+                    call.ptr(running_mean), call.ptr(running_var), np.int64(C),
+                    _scalar(call.acc, eps), call.ptr(mean), call.ptr(rstd)))
+                # fmt: on
+        else:
+            mean = call.bk.astype(running_mean, call.acc)
+            rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
         if _plan.prod(tuple(x.shape)):
             _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
         return y, mean, rstd
@@ -741,12 +770,19 @@ def batch_norm_fwd(
         partials = _stats_rows(call, x, C, N, S, C * S, S)
     else:
         partials = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
-    _finalize(call, x, partials, C, count, eps, mean, rstd, var)
-    if running_mean is not None:
-        call.bk.update_running(running_mean, mean, momentum)
-    if running_var is not None:
-        unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
-        call.bk.update_running(running_var, unbiased, momentum)
+    if in_kernel:
+        call.mutates_inputs()
+        # fmt: off
+        _finalize(call, x, partials, C, count, eps, mean, rstd, var, running_mean, running_var,
+                  momentum)
+        # fmt: on
+    else:
+        _finalize(call, x, partials, C, count, eps, mean, rstd, var)
+        if running_mean is not None:
+            call.bk.update_running(running_mean, mean, momentum)
+        if running_var is not None:
+            unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
+            call.bk.update_running(running_var, unbiased, momentum)
     _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
     return y, mean, rstd
 

@@ -24,6 +24,13 @@ def registers(source: str, kernel: str, dtype: str = "float32") -> int:
     return driver.funcGetAttribute(4, function.ptr)  # CU_FUNC_ATTRIBUTE_NUM_REGS
 
 
+def replan() -> None:
+    """Forget every plan and recorded call, so changed thresholds take effect."""
+    for plan in (_plan.plan_segment, _plan.plan_rows_stats, _plan.plan_rows_apply, _plan.plan_cols):
+        plan.cache_clear()
+    _ops._PROGRAMS.clear()
+
+
 def report(name: str, ms: float, gbytes: float) -> None:
     print(f"{name:58s} {ms:8.3f} ms {gbytes:7.2f} GB {gbytes / ms:6.2f} TB/s", flush=True)
 
@@ -83,7 +90,7 @@ def main() -> None:
     bm, br = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
     for ctas_per_sm, threads in ((8, 256), (2, 256), (32, 256), (8, 512), (8, 128)):
         _plan.SPLIT_CTAS_PER_SM, _plan.COLS_THREADS = ctas_per_sm, threads
-        _plan.plan_cols.cache_clear()
+        replan()
         t_stats = time_ms(lambda: _ops._stats_cols(callc, xc, 1, Nc * Sc, 64, 0, 0, 1))
         t_apply = time_ms(
             lambda: _ops._apply(
@@ -93,17 +100,17 @@ def main() -> None:
         report(f"BN cl stats_cols ctas/SM={ctas_per_sm} threads={threads}", t_stats, gbc)
         report(f"BN cl apply_cols ctas/SM={ctas_per_sm} threads={threads}", t_apply, 2 * gbc)
     _plan.SPLIT_CTAS_PER_SM, _plan.COLS_THREADS = 8, 256
-    _plan.plan_cols.cache_clear()
+    replan()
     # GroupNorm(32) fp16 channels_last 16x320x64x64: few rows per sample
     xg = torch.randn(16, 320, 64, 64, device="cuda", dtype=torch.float16)
     xg = xg.to(memory_format=torch.channels_last)
     for min_rows in (4, 16, 32, 64):
         _plan.COLS_MIN_ROWS_PER_THREAD = min_rows
-        _plan.plan_cols.cache_clear()
+        replan()
         ms = time_ms(lambda: _ops.group_norm_fwd(xg, 32, None, None, 1e-5))
         report(f"GN32 fp16 cl forward, >= {min_rows} rows per thread", ms, 2 * xg.numel() * 2 / 1e9)
     _plan.COLS_MIN_ROWS_PER_THREAD = 32
-    _plan.plan_cols.cache_clear()
+    replan()
     xc = yc = None  # free them for the next section
 
     # on-chip segment kernels under several thread counts (packs per thread)
@@ -116,7 +123,7 @@ def main() -> None:
         ref = torch.nn.functional.group_norm(t[:2].float(), groups)
         for target, team_max in ((64, 32), (64, 128), (128, 64), (192, 64)):
             _plan.TEAM_SLICE_TARGET_BYTES, _plan.TEAM_MAX = target * 1024, team_max
-            _plan.plan_segment.cache_clear()
+            replan()
             out = _ops.group_norm_fwd(t, groups, None, None, 1e-5)[0]
             err = (out[:2].float() - ref).abs().max().item()
             ms = time_ms(

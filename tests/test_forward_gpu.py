@@ -198,25 +198,41 @@ def test_batch_norm_training_matches_reference(dtype, shape_id, memory_format):
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_batch_norm_eval(dtype):
+@pytest.mark.parametrize("stats_dtype", ["float32", "input"])
+def test_batch_norm_eval(dtype, stats_dtype):
+    """Running statistics of the weight's dtype are read by a kernel, others converted first;
+    the second call of a signature replays the first."""
     C = 6
-    x = rand((3, C, 5, 7), dtype)
     w, b = affine(C, dtype, True)
-    rm, rv = torch.randn(C, device="cuda"), torch.rand(C, device="cuda") + 0.5
-    out = cupynorm.batch_norm(x, rm, rv, w, b, training=False)
-    check(out, F.batch_norm(x.double(), rm.double(), rv.double(), _d(w), _d(b)), dtype)
+    sdt = torch.float32 if stats_dtype == "float32" else DTYPES[dtype]
+    rm, rv = torch.randn(C, device="cuda").to(sdt), (torch.rand(C, device="cuda") + 0.5).to(sdt)
+    for _ in range(2):
+        x = rand((3, C, 5, 7), dtype)
+        poison_torch_allocator()
+        out = cupynorm.batch_norm(x, rm, rv, w, b, training=False)
+        check(out, F.batch_norm(x.double(), rm.double(), rv.double(), _d(w), _d(b)), dtype)
 
 
-def test_batch_norm_running_stats_several_steps():
+@pytest.mark.parametrize(
+    "dtype,param_dtype", [("float32", "float32"), ("float16", "float16"), ("float16", "float32")]
+)
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+def test_batch_norm_running_stats_several_steps(dtype, param_dtype, memory_format):
+    """Running statistics updated in the finalize kernel, step after step (replayed calls)."""
     C = 7
-    rm, rv = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
-    rm_ref, rv_ref = rm.clone(), rv.clone()
+    pdt = DTYPES[param_dtype]
+    rm, rv = torch.zeros(C, device="cuda", dtype=pdt), torch.ones(C, device="cuda", dtype=pdt)
+    rm_ref, rv_ref = rm.double(), rv.double()
+    w, b = affine(C, param_dtype, True)
     for step in range(4):
-        x = rand((8, C, 9, 11), "float32", offset=step)
-        cupynorm.batch_norm(x, rm, rv, training=True)
-        F.batch_norm(x, rm_ref, rv_ref, training=True)
-    torch.testing.assert_close(rm, rm_ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(rv, rv_ref, atol=1e-6, rtol=1e-5)
+        x = rand((8, C, 9, 11), dtype, offset=step, memory_format=memory_format)
+        poison_torch_allocator()
+        out = cupynorm.batch_norm(x, rm, rv, w, b, training=True, momentum=0.3)
+        ref = F.batch_norm(x.double(), rm_ref, rv_ref, _d(w), _d(b), training=True, momentum=0.3)
+        check(out, ref, dtype)
+    tol = 1e-5 if param_dtype == "float32" else 2e-3
+    torch.testing.assert_close(rm.double(), rm_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(rv.double(), rv_ref, atol=tol, rtol=tol)
 
 
 def test_batch_norm_large():
