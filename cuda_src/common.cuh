@@ -103,6 +103,22 @@ __device__ __forceinline__ Stats stats_of(const acc_t (&v)[K]) {
     return Stats{acc_t(K), mean, m2};
 }
 
+// Chan merge of a running triple with the exact statistics of K more values (v as for stats_of).
+// The running count is never zero here, so the weight K / n takes a fast reciprocal (1 ulp, the
+// same instruction every run) instead of an IEEE division: the merge of every few values was the
+// cost of the columns statistics pass on fp16 data (benchmarks/NOTES.md).
+__device__ __forceinline__ float fast_rcp(float x) { return __fdividef(1.0f, x); }
+__device__ __forceinline__ double fast_rcp(double x) { return 1.0 / x; }
+
+template <int K>
+__device__ __forceinline__ void stats_push(Stats& a, const acc_t (&v)[K]) {
+    const Stats b = stats_of<K>(v);
+    const acc_t n = a.n + acc_t(K);
+    const acc_t wb = acc_t(K) * fast_rcp(n);
+    const acc_t delta = b.mean - a.mean;
+    a = Stats{n, a.mean + delta * wb, a.m2 + b.m2 + delta * delta * a.n * wb};
+}
+
 // ---- warp / block reductions (fixed order: bitwise reproducible) ------------------------------
 __device__ __forceinline__ acc_t warp_sum(acc_t v) {
 #pragma unroll

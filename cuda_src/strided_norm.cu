@@ -18,6 +18,15 @@
 #include "common.cuh"
 
 #define UNROLL 4
+// Rows per channel a columns-statistics thread reduces exactly before one merge, and the CTAs
+// per SM its registers must allow (the block is at most COLS_THREADS_MAX threads).
+#ifndef COLS_STATS_ROWS
+#define COLS_STATS_ROWS 8
+#endif
+#ifndef COLS_STATS_MIN_BLOCKS
+#define COLS_STATS_MIN_BLOCKS 1
+#endif
+#define COLS_THREADS_MAX 256
 
 // ------------------------------------------------------------------------------------------------
 // partial statistics, rows layout. Set k = n_runs runs of run_len contiguous elements; run r starts
@@ -52,14 +61,14 @@ __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t
             for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
                 for (int e = 0; e < V; ++e) v[u * V + e] = to_acc(p[u].v[e]) - shift;
-            st = stats_merge(st, stats_of<UNROLL * V>(v));
+            stats_push<UNROLL * V>(st, v);
         }
         for (; q < q_end; q += step) {
             const Pack<V> p = load_pack<V>(run, q);
             acc_t v[V];
 #pragma unroll
             for (int e = 0; e < V; ++e) v[e] = to_acc(p.v[e]) - shift;
-            st = stats_merge(st, stats_of<V>(v));
+            stats_push<V>(st, v);
         }
     }
     st = block_stats(st, scratch);
@@ -102,7 +111,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     const int64 n_packs = C / V;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
         const int64 cp = tile + tx;
-        // Per channel: exact statistics of UNROLL rows at a time, Chan-merged into a running
+        // Per channel: exact statistics of COLS_STATS_ROWS rows at a time, Chan-merged into a running
         // triple. (Shifted sums s2 - s1^2 / n were no faster here and lost up to 5e-5 of the
         // variance on data of mean 1e4: benchmarks/NOTES.md.)
         Stats st[V];
@@ -119,16 +128,17 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
                 shift[e] = groups > 0 ? to_acc(xn[c - c % chans_per_group]) : to_acc(x[c]);
             }
             int64 r = r0 + ty;
-            for (; r + (UNROLL - 1) * TY < r1; r += UNROLL * TY) {
-                Pack<V> p[UNROLL];
+            for (; r + (COLS_STATS_ROWS - 1) * TY < r1; r += COLS_STATS_ROWS * TY) {
+                Pack<V> p[COLS_STATS_ROWS];
 #pragma unroll
-                for (int u = 0; u < UNROLL; ++u) p[u] = load_pack<V>(xn + (r + u * TY) * row_stride, cp);
+                for (int u = 0; u < COLS_STATS_ROWS; ++u)
+                    p[u] = load_pack<V>(xn + (r + u * TY) * row_stride, cp);
 #pragma unroll
                 for (int e = 0; e < V; ++e) {
-                    acc_t v[UNROLL];
+                    acc_t v[COLS_STATS_ROWS];
 #pragma unroll
-                    for (int u = 0; u < UNROLL; ++u) v[u] = to_acc(p[u].v[e]) - shift[e];
-                    st[e] = stats_merge(st[e], stats_of<UNROLL>(v));
+                    for (int u = 0; u < COLS_STATS_ROWS; ++u) v[u] = to_acc(p[u].v[e]) - shift[e];
+                    stats_push<COLS_STATS_ROWS>(st[e], v);
                 }
             }
             for (; r < r1; r += TY) {
@@ -175,7 +185,8 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     }
 }
 
-extern "C" __global__ void strided_norm_stats_cols(const scalar_t* __restrict__ x,
+extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, COLS_STATS_MIN_BLOCKS)
+strided_norm_stats_cols(const scalar_t* __restrict__ x,
                                                    acc_t* __restrict__ partials, int64 N, int64 R,
                                                    int64 C, int64 row_stride, int64 sample_stride,
                                                    int64 rows_per_cta, int64 ctas_per_n, int groups,

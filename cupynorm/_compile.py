@@ -201,6 +201,22 @@ def launcher(
     return Launcher(get_kernel(device_id, name, kernel, dtype, param_dtype), device_id, codes)
 
 
+@functools.cache
+def resident_ctas(
+    device_id: int,
+    name: str,
+    kernel: str,
+    dtype: str,
+    param_dtype: str | None,
+    threads: int,
+    smem: int,
+) -> int:
+    """How many CTAs of ``threads`` threads and ``smem`` bytes of dynamic shared memory of one
+    kernel variant an SM holds at once (registers, shared memory and thread limits)."""
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    return max(1, _driver().occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, smem))
+
+
 class current_device:
     """Context manager: ``device_id`` is the calling thread's current device inside (the driver
     launches in the current context: tensors on cuda:1 while cuda:0 is current)."""

@@ -50,7 +50,6 @@ class TorchBackend:
     def dtype_name(self, x: Any) -> str | None:
         return self.to_name.get(x.dtype)
 
-
     @staticmethod
     def signature(x: Any) -> tuple:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
@@ -130,7 +129,6 @@ class CupyBackend:
     def dtype_name(self, x: Any) -> str | None:
         name = x.dtype.name
         return name if name in DTYPE_NAMES else None
-
 
     @staticmethod
     def signature(x: Any) -> tuple:

@@ -334,10 +334,15 @@ def _stats_cols(
 ) -> _Partials:
     """Partial triples over channel-innermost data (strided_norm_stats_cols)."""
     aligned = call.aligned(x, strides=(sample_stride,))
-    plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info)
+    acc_size = np.dtype(call.acc).itemsize
+    resident = _compile.resident_ctas(
+        call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,
+        _plan.COLS_THREADS, _plan.COLS_THREADS * call.vec * 3 * acc_size,
+    )  # fmt: skip
+    plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info, resident)
     vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1
     triples = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
-    smem = plan.tx * plan.ty * vec * 3 * np.dtype(call.acc).itemsize
+    smem = plan.tx * plan.ty * vec * 3 * acc_size
     i64 = np.int64
     # fmt: off
     call.launch(_STRIDED, "strided_norm_stats_cols", samples * plan.ctas_per_sample,
@@ -394,8 +399,19 @@ class _Elementwise(NamedTuple):
 
 
 def _elementwise(
-    call: _Call, layout: str, N: int, C: int, S: int, groups: int, cpg: int, aligned: bool
+    call: _Call,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+    aligned: bool,
+    cols_ctas_per_sm: int | None = None,
 ) -> _Elementwise:
+    """The grid of an elementwise pass; columns passes aim at ``cols_ctas_per_sm`` CTAs per SM
+    (COLS_APPLY_CTAS_PER_SM by default; fewer for the backward sums, whose partials per channel
+    grow with the grid)."""
     i64 = np.int64
     if layout == "contiguous":
         plan = _plan.plan_rows_apply(S, call.itemsize, aligned and S % call.vec == 0)
@@ -422,7 +438,13 @@ def _elementwise(
     # per-sample statistics keep samples apart; per-channel ones fold the batch into the rows
     samples, rows = (N, S) if groups > 0 else (1, N * S)
     plan = _plan.plan_cols(
-        samples, rows, C, call.itemsize, aligned and (S * C) % call.vec == 0, call.info
+        samples,
+        rows,
+        C,
+        call.itemsize,
+        aligned and (S * C) % call.vec == 0,
+        call.info,
+        cols_ctas_per_sm or _plan.COLS_APPLY_CTAS_PER_SM,
     )
     tail = (
         i64(rows),
@@ -498,7 +520,8 @@ def _backward(
     need_dx, need_dw, need_db = needs_input_grad
     need_dw = need_dw and weight is not None
     dx = call.bk.empty_strided_like(x) if need_dx else None
-    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, dy, dx))
+    aligned = call.aligned(x, dy, dx)
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
     dweight = call.grads((C,), weight, x) if need_dw else None
@@ -536,6 +559,7 @@ def _backward(
     )
     # pass 3: dx
     if need_dx:
+        geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned)
         kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
         args = (
             call.ptr(x),

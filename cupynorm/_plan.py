@@ -28,8 +28,13 @@ SPLIT_MIN_ELEMENTS_PER_CTA = 4096
 #: Threads of the 1-D kernels; packs each thread moves per tile of the apply pass.
 BLOCK_THREADS = 256
 PACKS_PER_THREAD = 8
-#: Threads of a columns-layout CTA (TX channel packs x TY rows).
+#: Threads of a columns-layout CTA (TX channel packs x TY rows); COLS_THREADS_MAX of the kernels.
 COLS_THREADS = 256
+#: Columns apply/dx passes: CTAs per SM to aim for. Many short chunks balance the SMs (BatchNorm
+#: fp16 channels_last 256x64x112x112 apply on an H200: 8/SM 232 us, 32/SM 211 us). The columns
+#: statistics pass instead runs one wave, as many CTAs as are resident at once (2/SM: 117 us,
+#: 4/SM: 130 us, 8/SM: 157 us): each extra wave adds a tail and a block merge per CTA.
+COLS_APPLY_CTAS_PER_SM = 32
 COLS_MAX_TX = 64
 #: Fewest rows a columns-layout thread walks: fewer means more partial triples to write, merge in
 #: the CTA and merge again in finalize than rows of data (see benchmarks/NOTES.md).
@@ -193,14 +198,23 @@ class ColsPlan:
 
 @functools.cache
 def plan_cols(
-    samples: int, rows: int, channels: int, itemsize: int, aligned: bool, device: DeviceInfo
+    samples: int,
+    rows: int,
+    channels: int,
+    itemsize: int,
+    aligned: bool,
+    device: DeviceInfo,
+    ctas_per_sm: int,
 ) -> ColsPlan:
+    """Grid of a channel-innermost pass aiming at ``ctas_per_sm`` CTAs per SM: the statistics
+    pass asks for one wave (what its registers leave resident), the apply passes for
+    COLS_APPLY_CTAS_PER_SM."""
     vec = vec_width(itemsize)
     vectorized = aligned and channels % vec == 0
     packs = channels // vec if vectorized else channels
     tx = min(packs, COLS_MAX_TX)
     ty = max(1, COLS_THREADS // tx)
-    want = max(1, -(-device.sm_count * SPLIT_CTAS_PER_SM // samples))
+    want = max(1, -(-device.sm_count * ctas_per_sm // samples))
     ctas = max(1, min(want, -(-rows // (COLS_MIN_ROWS_PER_THREAD * ty))))
     rows_per_cta = -(-rows // ctas)
     return ColsPlan(tx, ty, rows_per_cta, -(-rows // rows_per_cta), vectorized)

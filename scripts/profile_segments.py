@@ -1,6 +1,7 @@
-"""The on-chip segment kernels of the small seed workloads under forced team sizes (development
-tool): GroupNorm(32) fp16 16x320x64x64 forward and backward, the fused row epilogue 1024x8192
-fp32. A team splits each segment over more CTAs (more loads in flight, one exchange per segment).
+"""The kernels of the small seed workloads (development tool): the on-chip segment kernels under
+forced team sizes (GroupNorm(32) fp16 16x320x64x64 forward and backward, the fused row epilogue
+1024x8192 fp32; a team splits each segment over more CTAs: more loads in flight, one exchange per
+segment), then the channels_last passes of BatchNorm fp16 256x64x112x112 under several grids.
 Usage: python scripts/profile_segments.py
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from profile_passes import replan, report  # noqa: E402
+from profile_passes import registers, replan, report  # noqa: E402
 from quick_timing import time_ms  # noqa: E402
 
 from cupynorm import _ops, _plan  # noqa: E402
@@ -44,6 +45,35 @@ def main() -> None:
     dy = torch.randn_like(xg)
     ms = time_ms(lambda: _ops.group_norm_bwd(dy, xg, mean, rstd, w, 32, (True, True, True)))
     report("GN32 fp16 bwd (sums + finalize + dx)", ms, 5 * xg.numel() * 2 / 1e9)
+
+    xc = torch.randn(256, 64, 112, 112, device="cuda", dtype=torch.float16)
+    xc = xc.to(memory_format=torch.channels_last)
+    yc = torch.empty_like(xc)
+    call = _ops._Call(xc)
+    gb = xc.numel() * 2 / 1e9
+    rows = 256 * 112 * 112
+    mean, rstd = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
+    t_stats = time_ms(lambda: _ops._stats_cols(call, xc, 1, rows, 64, 0, 0, 1))
+    report("BN fp16 cl stats_cols (one wave of resident CTAs)", t_stats, gb)
+    for ctas_per_sm in (8, 16, 32, 64):
+        _plan.COLS_APPLY_CTAS_PER_SM = ctas_per_sm
+        replan()
+        t_apply = time_ms(
+            lambda: _ops._apply(
+                call, xc, yc, None, None, mean, rstd, "channels_last", 256, 64, 112 * 112, 0, 1
+            )
+        )
+        report(f"BN fp16 cl apply_cols ctas/SM={ctas_per_sm}", t_apply, 2 * gb)
+    _plan.COLS_APPLY_CTAS_PER_SM = 32
+    replan()
+    rm, rv = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
+    ms = time_ms(lambda: _ops.batch_norm_fwd(xc, None, None, rm, rv, True, 0.1, 1e-5))
+    report("BN fp16 cl forward (training)", ms, 2 * gb)
+    xgc = xg.to(memory_format=torch.channels_last)
+    ms = time_ms(lambda: _ops.group_norm_fwd(xgc, 32, w, b, 1e-5))
+    report("GN32 fp16 cl forward", ms, gb_g)
+    for kernel in ("strided_norm_stats_cols", "strided_norm_apply_cols"):
+        print(f"  {kernel} fp16: {registers('strided_norm.cu', kernel, 'float16')} registers")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,17 @@ def test_rows_stats_plan_covers_set() -> None:
     assert plan.chunk % 4 == 0 and plan.ctas_per_set * 64 >= H200.sm_count
 
 
-def test_cols_plan() -> None:
-    plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200)
-    assert plan.vectorized and plan.tx == 40 and plan.tx * plan.ty <= 256
+@pytest.mark.parametrize("ctas_per_sm", [1, 2, 8, 32])
+def test_cols_plan(ctas_per_sm) -> None:
+    plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200, ctas_per_sm)
+    assert plan.vectorized and plan.tx == 40 and plan.tx * plan.ty <= _plan.COLS_THREADS
     assert plan.rows_per_cta * plan.ctas_per_sample >= 64 * 64
+    assert (plan.rows_per_cta - 1) * plan.ctas_per_sample < 64 * 64  # no empty CTA
+
+
+def test_cols_plan_aims_at_ctas_per_sm() -> None:
+    rows = 256 * 112 * 112  # BatchNorm channels_last: the batch folded into the rows
+    for ctas_per_sm in (2, 16):  # (at 32, COLS_MIN_ROWS_PER_THREAD caps the grid)
+        plan = _plan.plan_cols(1, rows, 64, 2, True, H200, ctas_per_sm)
+        target = H200.sm_count * ctas_per_sm  # within the rounding of rows per CTA
+        assert target - target // 100 <= plan.ctas_per_sample <= target
