@@ -37,63 +37,69 @@ __device__ __forceinline__ void team_place(int team, int* __restrict__ tickets, 
     rank = team > 1 ? ticket % team : 0;
 }
 
-// Thread 0 only: publish this CTA's K values for the segment, then wait until the whole team has.
+// Thread 0 only: publish this CTA's K values for the segment (never waits).
 template <int K>
-__device__ __forceinline__ void team_publish_and_wait(const acc_t (&values)[K], int64 seg, int rank,
-                                                      int team, int* __restrict__ tickets,
-                                                      acc_t* __restrict__ partials) {
+__device__ __forceinline__ void team_publish(const acc_t (&values)[K], int64 seg, int rank, int team,
+                                             int* __restrict__ tickets,
+                                             acc_t* __restrict__ partials) {
     volatile acc_t* slot = partials + K * (seg * team + rank);
 #pragma unroll
     for (int i = 0; i < K; ++i) slot[i] = values[i];
     __threadfence();
     atomicAdd(tickets + 1 + seg, 1);
+}
+
+// Thread 0 only: wait until the whole team of the segment has published.
+__device__ __forceinline__ void team_wait(int64 seg, int team, int* __restrict__ tickets) {
     const volatile int* arrived = tickets + 1 + seg;
     while (*arrived < team) __nanosleep(100);
     __threadfence();
 }
 
-template <int V, int EPILOGUE>
-__device__ __forceinline__ void segment_norm_fwd(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
-    const param_t* __restrict__ weight, const param_t* __restrict__ bias,
-    acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
-    int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
-    int* __restrict__ tickets, acc_t* __restrict__ partials) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
-    __shared__ acc_t scratch[33];
-    int64 seg;
-    int rank;
-    team_place(team, tickets, seg, rank);
-    const int start = rank * slice_len;
-    const int n_local = max(0, min(slice_len, seg_len - start));
-    const int64 base = seg * static_cast<int64>(seg_len) + start;
-    const int tid = threadIdx.x;
+// Thread 0 only: publish this CTA's K values for the segment, then wait until the whole team has.
+template <int K>
+__device__ __forceinline__ void team_publish_and_wait(const acc_t (&values)[K], int64 seg, int rank,
+                                                      int team, int* __restrict__ tickets,
+                                                      acc_t* __restrict__ partials) {
+    team_publish<K>(values, seg, rank, team, tickets, partials);
+    team_wait(seg, team, tickets);
+}
 
-    // 1. slice -> shared memory (V == VEC: 16-byte cp.async; V == 1: plain copies)
+// ---- the forward's phases ------------------------------------------------------------------------
+// Copy n elements of x + base into shared memory: 16-byte cp.async (V == VEC, not waited for
+// here) or plain copies (V == 1).
+template <int V>
+__device__ __forceinline__ void slice_load(scalar_t* xs, const scalar_t* __restrict__ x, int64 base,
+                                           int n) {
     if (V == VEC) {
-        for (int p = tid; p < n_local / V; p += blockDim.x) cp_async16(xs + p * V, x + base + p * V);
-        cp_async_wait_all();
+        for (int p = threadIdx.x; p < n / V; p += blockDim.x) cp_async16(xs + p * V, x + base + p * V);
     } else {
-        for (int i = tid; i < n_local; i += blockDim.x) xs[i] = x[base + i];
+        for (int i = threadIdx.x; i < n; i += blockDim.x) xs[i] = x[base + i];
     }
-    __syncthreads();
+}
 
-    // 2. exact two-pass statistics of the slice (packs read from shared memory), relative to the
-    // segment's first value K: every CTA of a team uses the same K, so means stay small numbers
-    // with all their digits and data of mean 1e4 keeps the variance to ~1e-7 (benchmarks/NOTES.md)
+__device__ __forceinline__ void slice_load_wait() {
+    cp_async_wait_all();
+    __syncthreads();
+}
+
+// Exact two-pass statistics of a slice in shared memory (packs read from shared memory), relative
+// to the segment's first value K: every CTA of a team uses the same K, so means stay small numbers
+// with all their digits and data of mean 1e4 keeps the variance to ~1e-7 (benchmarks/NOTES.md).
+template <int V>
+__device__ __forceinline__ Stats slice_stats(const scalar_t* xs, int n, acc_t shift,
+                                             acc_t* scratch) {
     const Pack<V>* packs = reinterpret_cast<const Pack<V>*>(xs);
-    const acc_t shift = to_acc(x[seg * static_cast<int64>(seg_len)]);
     acc_t s = 0;
-    for (int p = tid; p < n_local / V; p += blockDim.x) {
+    for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
         const Pack<V> v = packs[p];
 #pragma unroll
         for (int j = 0; j < V; ++j) s += to_acc(v.v[j]) - shift;
     }
     s = block_sum(s, scratch);
-    const acc_t slice_mean = n_local > 0 ? s / acc_t(n_local) : acc_t(0);  // relative to K
+    const acc_t slice_mean = n > 0 ? s / acc_t(n) : acc_t(0);
     acc_t q = 0;
-    for (int p = tid; p < n_local / V; p += blockDim.x) {
+    for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
         const Pack<V> v = packs[p];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -102,44 +108,50 @@ __device__ __forceinline__ void segment_norm_fwd(
         }
     }
     q = block_sum(q, scratch);
-    Stats st{acc_t(n_local), slice_mean, q};
+    return Stats{acc_t(n), slice_mean, q};
+}
 
-    if (team > 1) {
-        // 3. publish, wait for the team, merge its triples in rank order
-        if (tid == 0) {
-            const acc_t mine[3] = {st.n, st.mean, st.m2};
-            team_publish_and_wait<3>(mine, seg, rank, team, tickets, partials);
+// After the team has published: its triples merged in rank order (every CTA gets the same bits),
+// returned to every thread as (mean relative to K, M2).
+__device__ __forceinline__ Stats team_merged(int64 seg, int team, const acc_t* partials,
+                                             acc_t* scratch) {
+    if (threadIdx.x < 32) {
+        Stats m = stats_empty();
+        for (int r = threadIdx.x; r < team; r += 32) {
+            const volatile acc_t* slot = partials + 3 * (seg * team + r);
+            m = stats_merge(m, Stats{slot[0], slot[1], slot[2]});
         }
-        __syncthreads();
-        if (tid < 32) {
-            Stats m = stats_empty();
-            for (int r = tid; r < team; r += 32) {
-                const volatile acc_t* slot = partials + 3 * (seg * team + r);
-                m = stats_merge(m, Stats{slot[0], slot[1], slot[2]});
-            }
-            m = warp_stats(m);
-            if (tid == 0) {
-                scratch[0] = m.mean;
-                scratch[1] = m.m2;
-            }
+        m = warp_stats(m);
+        if (threadIdx.x == 0) {
+            scratch[0] = m.mean;
+            scratch[1] = m.m2;
         }
-        __syncthreads();
-        st.mean = scratch[0];
-        st.m2 = scratch[1];
     }
+    __syncthreads();
+    const Stats merged{acc_t(0), scratch[0], scratch[1]};
+    __syncthreads();  // scratch is free again
+    return merged;
+}
 
+// Normalize a slice from shared memory into y (and write the segment's statistics from rank 0).
+template <int V, int EPILOGUE>
+__device__ __forceinline__ void slice_write(
+    const scalar_t* xs, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    const param_t* __restrict__ weight, const param_t* __restrict__ bias,
+    acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
+    int64 seg, int rank, int start, int n, int seg_len, int chan_len, int chans_per_group,
+    int groups, acc_t eps, acc_t shift, Stats st) {
+    const int64 base = seg * static_cast<int64>(seg_len) + start;
     const acc_t mean = shift + st.mean;
     const acc_t var = st.m2 / acc_t(seg_len);
     const acc_t rstd = rsqrt_acc(var + eps);
-    if (rank == 0 && tid == 0) {
+    if (rank == 0 && threadIdx.x == 0) {
         mean_out[seg] = mean;
         rstd_out[seg] = rstd;
         if (var_out != nullptr) var_out[seg] = var;
     }
-
-    // 4. normalize from shared memory
     const int channel_base = static_cast<int>(seg % groups) * chans_per_group;
-    for (int p = tid; p < n_local / V; p += blockDim.x) {
+    for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
         const Pack<V> xv = *reinterpret_cast<const Pack<V>*>(xs + p * V);
         Pack<V> out;
         if (EPILOGUE == EPILOGUE_ADD_MUL) {
@@ -177,6 +189,39 @@ __device__ __forceinline__ void segment_norm_fwd(
         }
         store_pack<V>(y + base, p, out);
     }
+}
+
+// One slice per CTA: load, statistics, exchange (team > 1), write.
+template <int V, int EPILOGUE>
+__device__ __forceinline__ void segment_norm_fwd(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    const param_t* __restrict__ weight, const param_t* __restrict__ bias,
+    acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
+    int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
+    int* __restrict__ tickets, acc_t* __restrict__ partials) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
+    __shared__ acc_t scratch[33];
+    int64 seg;
+    int rank;
+    team_place(team, tickets, seg, rank);
+    const int start = rank * slice_len;
+    const int n_local = max(0, min(slice_len, seg_len - start));
+    slice_load<V>(xs, x, seg * static_cast<int64>(seg_len) + start, n_local);
+    const acc_t shift = to_acc(x[seg * static_cast<int64>(seg_len)]);  // loads with the slice
+    slice_load_wait();
+    Stats st = slice_stats<V>(xs, n_local, shift, scratch);
+    if (team > 1) {
+        if (threadIdx.x == 0) {
+            const acc_t mine[3] = {st.n, st.mean, st.m2};
+            team_publish_and_wait<3>(mine, seg, rank, team, tickets, partials);
+        }
+        __syncthreads();
+        st = team_merged(seg, team, partials, scratch);
+    }
+    slice_write<V, EPILOGUE>(xs, other, y, weight, bias, mean_out, rstd_out, var_out, seg, rank,
+                             start, n_local, seg_len, chan_len, chans_per_group, groups, eps, shift,
+                             st);
 }
 
 // vectorized: slices start 16-byte aligned and hold whole packs (host checks pointers, seg_len

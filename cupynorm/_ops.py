@@ -651,7 +651,8 @@ def group_norm_fwd(
         return outputs
     if layout == "contiguous":
         seg_len = Cg * S
-        plan = _plan.plan_segment(seg_len, call.itemsize, call.aligned(x, y), call.info)
+        aligned = call.aligned(x, y)
+        plan = _plan.plan_segment(seg_len, call.itemsize, aligned, call.info)
         if plan is not None:
             # fmt: off
             _segment_launch(call, plan, N * G, x, "segment_norm_fwd_affine", (
