@@ -29,9 +29,9 @@ SPLIT_MIN_ELEMENTS_PER_CTA = 4096
 BLOCK_THREADS = 256
 PACKS_PER_THREAD = 8
 #: Packs each thread moves per tile of the rows apply/backward passes. Small tiles balance the
-#: SMs best (BatchNorm fp32 64x64x512x512 apply on an H200, 4 / 8 / 16 / 32 / 64 packs: 2.10 /
-#: 2.14 / 2.18 / 2.19 / 2.21 ms; a copy of the tensor: 2.01 ms).
-APPLY_PACKS_PER_THREAD = 4
+#: SMs best (BatchNorm fp32 64x64x512x512 apply on an H200, 2 / 4 / 8 / 16 / 32 / 64 packs:
+#: 2.01 / 2.10-2.12 / 2.14 / 2.18 / 2.19 / 2.21 ms; a copy of the tensor: 2.01 ms).
+APPLY_PACKS_PER_THREAD = 2
 #: Threads of a columns-layout CTA (TX channel packs x TY rows); COLS_THREADS_MAX of the kernels.
 COLS_THREADS = 256
 #: Columns apply/dx passes: CTAs per SM to aim for. Many short chunks balance the SMs (BatchNorm
