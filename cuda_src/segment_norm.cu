@@ -145,9 +145,9 @@ __device__ __forceinline__ void slice_write(
     const acc_t mean = shift + st.mean;
     const acc_t var = st.m2 / acc_t(seg_len);
     const acc_t rstd = rsqrt_acc(var + eps);
-    if (rank == 0 && threadIdx.x == 0) {
-        mean_out[seg] = mean;
-        rstd_out[seg] = rstd;
+    if (rank == 0 && threadIdx.x == 0) {  // statistics the caller asked for
+        if (mean_out != nullptr) mean_out[seg] = mean;
+        if (rstd_out != nullptr) rstd_out[seg] = rstd;
         if (var_out != nullptr) var_out[seg] = var;
     }
     const int channel_base = static_cast<int>(seg % groups) * chans_per_group;

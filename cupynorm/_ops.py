@@ -633,21 +633,35 @@ def _segment_launch(
 # ---- group norm (instance norm is group norm with one channel per group) ----------------------
 @_programmed
 def group_norm_fwd(
-    x: Any, num_groups: int, weight: Any, bias: Any, eps: float, *, want_var: bool = False
+    x: Any,
+    num_groups: int,
+    weight: Any,
+    bias: Any,
+    eps: float,
+    *,
+    want_var: bool = False,
+    want_stats: bool = True,
 ) -> tuple:
-    """y, mean (N, G), rstd (N, G)[, var (N, G)] of GroupNorm over x (N, C, *spatial)."""
+    """y, mean (N, G), rstd (N, G)[, var (N, G)] of GroupNorm over x (N, C, *spatial).
+
+    ``want_stats=False`` (inference): mean and rstd come back as None, and the on-chip kernels
+    skip writing them (two allocations fewer per call).
+    """
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G, Cg = num_groups, x.shape[1] // num_groups
     y = call.bk.empty_strided_like(x)
-    mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
+    mean = rstd = None
+    if want_stats:
+        mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
     var = call.stats((N, G), x) if want_var else None
     outputs = (y, mean, rstd, var) if want_var else (y, mean, rstd)
     if N * C * S == 0:
         for stat in outputs[1:]:
-            call.bk.fill_nan(stat)
+            if stat is not None:
+                call.bk.fill_nan(stat)
         return outputs
     if layout == "contiguous":
         seg_len = Cg * S
@@ -664,6 +678,8 @@ def group_norm_fwd(
         partials = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
     else:
         partials = _stats_cols(call, x, N, S, C, S * C, G, Cg)
+    if mean is None:  # the apply pass reads them
+        mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
     _finalize(call, x, partials, N * G, Cg * S, eps, mean, rstd, var)
     _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg)
     return outputs

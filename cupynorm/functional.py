@@ -77,7 +77,7 @@ def group_norm(
         from . import torch as cn_torch
 
         return cn_torch.group_norm(input, num_groups, weight, bias, eps)
-    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps)[0]
+    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, want_stats=False)[0]
 
 
 def instance_norm(
@@ -128,6 +128,8 @@ def instance_norm(
             input, weight, bias, running_mean, running_var, False, momentum, eps
         )[0]
     C = input.shape[1]
+    if running_mean is None and running_var is None:
+        return _ops.group_norm_fwd(input, C, weight, bias, eps, want_stats=False)[0]
     y, mean, _, var = _ops.group_norm_fwd(input, C, weight, bias, eps, want_var=True)
     update_instance_running_stats(input, mean, var, running_mean, running_var, momentum)
     return y

@@ -275,6 +275,15 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps):
     return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)
 
 
+def _group_norm_output(x, num_groups, weight, bias, eps) -> Tensor:
+    """y alone (no autograd): the kernels skip the statistics where they can."""
+    if not x.is_cuda:
+        return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)[0]
+    x, fmt = _dense(x)
+    y = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps, want_stats=False)[0]
+    return y.contiguous(memory_format=fmt)
+
+
 def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
     if x.is_cuda:
         return _group_norm_bwd_cuda(dy, x, mean, rstd, weight, num_groups, output_mask)
@@ -782,7 +791,7 @@ def _apply_group_norm(x, num_groups, weight, bias, eps) -> Tensor:
         return group_norm_fwd_op(x, num_groups, weight, bias, eps)[0]
     if _wants_grad(x, weight, bias):
         return _GroupNormFunction.apply(x, num_groups, weight, bias, eps)[0]
-    return _group_norm_fwd(x, num_groups, weight, bias, eps)[0]
+    return _group_norm_output(x, num_groups, weight, bias, eps)
 
 
 def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:
