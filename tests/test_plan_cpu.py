@@ -78,3 +78,11 @@ def test_cols_plan_aims_at_ctas_per_sm() -> None:
         plan = _plan.plan_cols(1, rows, 64, 2, True, H200, ctas_per_sm)
         target = H200.sm_count * ctas_per_sm  # within the rounding of rows per CTA
         assert target - target // 100 <= plan.ctas_per_sample <= target
+
+
+@pytest.mark.parametrize("samples", [1, 3, 16, 100, 1000])
+def test_cols_plan_stays_in_one_wave(samples) -> None:
+    """The statistics grid asks for one wave of resident CTAs: never more CTAs than slots."""
+    resident = 2
+    plan = _plan.plan_cols(samples, 64 * 64, 320, 2, True, H200, resident)
+    assert samples * plan.ctas_per_sample <= max(samples, H200.sm_count * resident)
