@@ -82,6 +82,7 @@ def _module(device_id: int, name: str, dtype: str, param_dtype: str | None) -> A
 
 
 # attribute numbers of CUDA's driver API (CUfunction_attribute in cuda.h)
+_MAX_THREADS_PER_BLOCK = 0
 _SHARED_SIZE_BYTES = 1
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CUDA_ERROR_INVALID_CONTEXT = 201
@@ -199,6 +200,15 @@ def launcher(
 ) -> Launcher:
     """The Launcher of one kernel variant for arguments of type ``codes``, cached."""
     return Launcher(get_kernel(device_id, name, kernel, dtype, param_dtype), device_id, codes)
+
+
+@functools.cache
+def max_block_threads(
+    device_id: int, name: str, kernel: str, dtype: str, param_dtype: str | None
+) -> int:
+    """The most threads a block of this kernel variant may have (its registers decide)."""
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    return _driver().funcGetAttribute(_MAX_THREADS_PER_BLOCK, function.ptr)
 
 
 @functools.cache

@@ -95,6 +95,11 @@ class _Call:
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)
 
+    def threads(self, source: str, kernel: str, wanted: int) -> int:
+        """``wanted`` threads for a 1-D block-strided kernel, within what its registers allow."""
+        most = _compile.max_block_threads(self.device, source, kernel, self.dtype, self.param_dtype)
+        return min(wanted, most // 32 * 32)
+
     def mutates_inputs(self) -> None:
         """Mark the call as writing to some of its inputs (running statistics)."""
         if self.recording is not None:
@@ -618,7 +623,7 @@ def _segment_launch(
         _SEGMENT,
         kernel,
         num_segments * plan.team,
-        (plan.threads,),
+        (call.threads(_SEGMENT, kernel, plan.threads),),
         (
             *args,
             np.int32(plan.team),
@@ -747,7 +752,8 @@ def _instance_bwd_on_chip(
         tickets = call.bk.zeros_int32(1 + N * C, x)
         partials = call.stats((N * C * plan.team * 2,), x)
     # fmt: off
-    call.launch(_SEGMENT, "segment_norm_bwd_instance", N * C * plan.team, (plan.threads,), (
+    threads = call.threads(_SEGMENT, "segment_norm_bwd_instance", plan.threads)
+    call.launch(_SEGMENT, "segment_norm_bwd_instance", N * C * plan.team, (threads,), (
         call.ptr(x), call.ptr(dy), call.ptr(weight), call.ptr(mean), call.ptr(rstd), call.ptr(dx),
         call.ptr(sums), np.int32(S), np.int32(plan.slice_len), np.int32(C),
         np.int32(plan.team), call.ptr(tickets), call.ptr(partials), np.int32(plan.vectorized)),
@@ -919,7 +925,8 @@ def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) ->
         dx, dother = bk.empty_strided_like(x), bk.empty_strided_like(x)
         vectorized = D % call.vec == 0 and call.aligned(x, other, dout, dx, dother)
         packs = D // call.vec if vectorized else D
-        threads = min(1024, max(32, _plan.round_up(-(-packs // 4), 32)))
+        wanted = min(1024, max(32, _plan.round_up(-(-packs // 4), 32)))
+        threads = call.threads(_SEGMENT, "segment_norm_bwd_add_mul", wanted)
         # fmt: off
         call.launch(_SEGMENT, "segment_norm_bwd_add_mul", rows, (threads,), (
             call.ptr(x), call.ptr(other), call.ptr(dout), call.ptr(mean), call.ptr(rstd),

@@ -161,8 +161,8 @@ def unfused(x, y, eps=1e-5):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize(
     "shape",
-    [(1024, 8192), (7, 13), (3, 5, 40), (4, 1 << 20)],
-    ids=["seed", "odd", "3d", "long-row"],
+    [(1024, 8192), (7, 13), (3, 5, 40), (6, 20000), (4, 1 << 20)],
+    ids=["seed", "odd", "3d", "wide-row", "long-row"],
 )
 def test_row_norm_add_mul(dtype, shape):
     x = torch.rand(shape, device="cuda", dtype=torch.float64).to(DTYPES[dtype])
