@@ -323,16 +323,13 @@ extern "C" __global__ void segment_norm_bwd_add_mul(
 }
 
 // ------------------------------------------------------------------------------------------------
-// Backward of the AFFINE epilogue (GroupNorm / InstanceNorm on NCHW), on chip: x and dy of the
-// slice are read once into shared memory; each channel c of the segment gets its sums
-//   sdy_c = sum dy,  sdx_c = sum dy (x - mean)
-// (slice by slice, added over the team in rank order); with w_c the channel's weight and L the
-// segment length, dx is written from shared memory:
-//   dx = (x - mean) * u + v + dy * rstd * w_c,
-//   u = -rstd^3 sum_c w_c sdx_c / L,  v = -rstd sum_c w_c sdy_c / L
-// (strided_norm.cu derives it). Each channel's (sdy_c, sdx_c) go to sums[n*C + c] for dweight and
-// dbias, which strided_norm_bwd_finalize reduces over the batch. Three passes instead of five.
-// Dynamic shared memory: x and dy slices (16-byte rounded together), then 2 * Cg acc_t.
+// Backward of the AFFINE epilogue for one channel per segment (InstanceNorm on NCHW), on chip:
+// x and dy of the slice are read once into shared memory, the slice's sums
+//   sdy = sum dy,  sdx = sum dy (x - mean)
+// are added over the team (rank order), and dx is written from shared memory:
+//   dx = (x - mean) * u + v + dy * rstd * w,  u = -rstd^3 w sdx / L,  v = -rstd w sdy / L
+// (strided_norm.cu derives it). The segment's (sdy, sdx) go to sums[seg] for dweight and dbias,
+// which strided_norm_bwd_finalize reduces over the batch. Three passes instead of five.
 template <int V>
 __device__ __forceinline__ void segment_bwd(const scalar_t* __restrict__ x,
                                             const scalar_t* __restrict__ dy,
@@ -340,15 +337,12 @@ __device__ __forceinline__ void segment_bwd(const scalar_t* __restrict__ x,
                                             const acc_t* __restrict__ mean,
                                             const acc_t* __restrict__ rstd,
                                             scalar_t* __restrict__ dx, acc_t* __restrict__ sums,
-                                            int seg_len, int slice_len, int chan_len,
-                                            int chans_per_group, int groups, int team,
+                                            int seg_len, int slice_len, int channels, int team,
                                             int* __restrict__ tickets,
                                             acc_t* __restrict__ partials) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
     scalar_t* dys = xs + slice_len;
-    acc_t* chan_sums = reinterpret_cast<acc_t*>(
-        smem_raw + ((2 * static_cast<size_t>(slice_len) * sizeof(scalar_t) + 15) & ~size_t(15)));
     __shared__ acc_t scratch[33];
     int64 seg;
     int rank;
@@ -369,113 +363,73 @@ __device__ __forceinline__ void segment_bwd(const scalar_t* __restrict__ x,
             dys[i] = dy[base + i];
         }
     }
-    for (int i = tid; i < 2 * chans_per_group; i += blockDim.x) chan_sums[i] = acc_t(0);
     __syncthreads();
     const acc_t m = mean[seg], rs = rstd[seg];
-    // per channel of the slice: its sums (block reductions in channel order)
-    const int c_first = start / chan_len;
-    const int c_last = n_local > 0 ? (start + n_local - 1) / chan_len : c_first - 1;
-    for (int c = c_first; c <= c_last; ++c) {
-        const int lo = max(start, c * chan_len) - start;
-        const int hi = min(start + n_local, (c + 1) * chan_len) - start;
-        acc_t sdy = 0, sdx = 0;
-        if (lo % V == 0 && hi % V == 0) {
-            const Pack<V>* xp = reinterpret_cast<const Pack<V>*>(xs);
-            const Pack<V>* dp = reinterpret_cast<const Pack<V>*>(dys);
-            for (int p = lo / V + tid; p < hi / V; p += blockDim.x) {
-                const Pack<V> a = xp[p], d = dp[p];
-#pragma unroll
-                for (int j = 0; j < V; ++j) {
-                    const acc_t g = to_acc(d.v[j]);
-                    sdy += g;
-                    sdx += g * (to_acc(a.v[j]) - m);
-                }
-            }
-        } else {
-            for (int i = lo + tid; i < hi; i += blockDim.x) {
-                const acc_t g = to_acc(dys[i]);
-                sdy += g;
-                sdx += g * (to_acc(xs[i]) - m);
-            }
-        }
-        sdy = block_sum(sdy, scratch);
-        sdx = block_sum(sdx, scratch);
-        if (tid == 0) {
-            chan_sums[2 * c] = sdy;
-            chan_sums[2 * c + 1] = sdx;
-        }
-    }
-    __syncthreads();
-    if (team > 1) {  // publish this slice's 2 * Cg sums, wait, add the team's in rank order
-        volatile acc_t* slot = partials + 2 * chans_per_group * (seg * team + rank);
-        for (int i = tid; i < 2 * chans_per_group; i += blockDim.x) slot[i] = chan_sums[i];
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            atomicAdd(tickets + 1 + seg, 1);
-            team_wait(seg, team, tickets);
-        }
-        __syncthreads();
-        const volatile acc_t* team_sums = partials + 2 * chans_per_group * seg * team;
-        for (int i = tid; i < 2 * chans_per_group; i += blockDim.x) {
-            acc_t total = 0;
-            for (int r = 0; r < team; ++r) total += team_sums[2 * chans_per_group * r + i];
-            chan_sums[i] = total;
-        }
-        __syncthreads();
-    }
-    const int64 n = seg / groups;
-    const int channel_base = static_cast<int>(seg % groups) * chans_per_group;
-    const int64 C = static_cast<int64>(groups) * chans_per_group;
-    if (tid == 0) {  // the segment's weighted sums, in channel order
-        acc_t a = 0, b = 0;
-        for (int c = 0; c < chans_per_group; ++c) {
-            const acc_t w = weight != nullptr ? to_acc(weight[channel_base + c]) : acc_t(1);
-            a += w * chan_sums[2 * c];
-            b += w * chan_sums[2 * c + 1];
-            if (rank == 0) {
-                sums[2 * (n * C + channel_base + c) + 0] = chan_sums[2 * c];
-                sums[2 * (n * C + channel_base + c) + 1] = chan_sums[2 * c + 1];
-            }
-        }
-        scratch[0] = a;
-        scratch[1] = b;
-    }
-    __syncthreads();
-    const acc_t L = acc_t(seg_len);
-    const acc_t u = -rs * rs * rs * scratch[1] / L, v = -rs * scratch[0] / L;
     const Pack<V>* xp = reinterpret_cast<const Pack<V>*>(xs);
     const Pack<V>* dp = reinterpret_cast<const Pack<V>*>(dys);
+    acc_t sdy = 0, sdx = 0;
     for (int p = tid; p < n_local / V; p += blockDim.x) {
         const Pack<V> a = xp[p], d = dp[p];
-        int c = (start + p * V) / chan_len;
-        int within = start + p * V - c * chan_len;
-        acc_t g = rs * (weight != nullptr ? to_acc(weight[channel_base + c]) : acc_t(1));
-        Pack<V> out;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            if (within == chan_len) {  // the pack crosses into the next channel
-                ++c;
-                within = 0;
-                g = rs * (weight != nullptr ? to_acc(weight[channel_base + c]) : acc_t(1));
-            }
-            ++within;
-            out.v[j] = from_acc<scalar_t>((to_acc(a.v[j]) - m) * u + v + to_acc(d.v[j]) * g);
+            const acc_t g = to_acc(d.v[j]);
+            sdy += g;
+            sdx += g * (to_acc(a.v[j]) - m);
         }
+    }
+    sdy = block_sum(sdy, scratch);
+    sdx = block_sum(sdx, scratch);
+    if (team > 1) {
+        if (tid == 0) {
+            const acc_t mine[2] = {sdy, sdx};
+            team_publish_and_wait<2>(mine, seg, rank, team, tickets, partials);
+        }
+        __syncthreads();
+        if (tid < 32) {
+            acc_t a = 0, b = 0;
+            for (int r = tid; r < team; r += 32) {
+                const volatile acc_t* slot = partials + 2 * (seg * team + r);
+                a += slot[0];
+                b += slot[1];
+            }
+            a = warp_sum(a);
+            b = warp_sum(b);
+            if (tid == 0) {
+                scratch[0] = a;
+                scratch[1] = b;
+            }
+        }
+        __syncthreads();
+        sdy = scratch[0];
+        sdx = scratch[1];
+    }
+    if (rank == 0 && tid == 0) {
+        sums[2 * seg + 0] = sdy;
+        sums[2 * seg + 1] = sdx;
+    }
+    const acc_t w = weight != nullptr ? to_acc(weight[seg % channels]) : acc_t(1);
+    const acc_t L = acc_t(seg_len);
+    const acc_t u = -rs * rs * rs * w * sdx / L, v = -rs * w * sdy / L, g = rs * w;
+    for (int p = tid; p < n_local / V; p += blockDim.x) {
+        const Pack<V> a = xp[p], d = dp[p];
+        Pack<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            out.v[j] = from_acc<scalar_t>((to_acc(a.v[j]) - m) * u + v + to_acc(d.v[j]) * g);
         store_pack<V>(dx + base, p, out);
     }
 }
 
-extern "C" __global__ void segment_norm_bwd(
+extern "C" __global__ void segment_norm_bwd_instance(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
     const param_t* __restrict__ weight, const acc_t* __restrict__ mean,
     const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx, acc_t* __restrict__ sums,
-    int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, int team,
-    int* __restrict__ tickets, acc_t* __restrict__ partials, int vectorized) {
+    int seg_len, int slice_len, int channels, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials, int vectorized) {
     if (vectorized)
-        segment_bwd<VEC>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, chan_len,
-                         chans_per_group, groups, team, tickets, partials);
+        segment_bwd<VEC>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, channels, team,
+                         tickets, partials);
     else
-        segment_bwd<1>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, chan_len,
-                       chans_per_group, groups, team, tickets, partials);
+        segment_bwd<1>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, channels, team,
+                       tickets, partials);
 }

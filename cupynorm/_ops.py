@@ -719,8 +719,8 @@ def group_norm_bwd(
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G = num_groups
-    if layout == "contiguous" and needs_input_grad[0] and N * C * S > 0:
-        on_chip = _group_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, G, needs_input_grad)
+    if layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
+        on_chip = _instance_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, needs_input_grad)
         if on_chip is not None:
             return on_chip
     return _backward(
@@ -728,7 +728,7 @@ def group_norm_bwd(
     )
 
 
-def _group_bwd_on_chip(
+def _instance_bwd_on_chip(
     call: _Call,
     dy: Any,
     x: Any,
@@ -738,38 +738,33 @@ def _group_bwd_on_chip(
     N: int,
     C: int,
     S: int,
-    G: int,
     needs_input_grad: tuple[bool, bool, bool],
 ) -> tuple | None:
-    """GroupNorm/InstanceNorm backward with each segment's x and dy held on chip
-    (segment_norm.cu): three passes over the tensors instead of five. None when a segment is too
-    long for a team."""
-    Cg = C // G
-    # (dx comes from the allocator: aligned like any fresh allocation)
-    plan = _plan.plan_segment(Cg * S, call.itemsize, call.aligned(x, dy), call.info, tensors=2)
+    """InstanceNorm backward with each plane's x and dy held on chip (segment_norm.cu): three
+    passes over the tensors instead of five. None when a plane is too long for a team."""
+    dx = call.bk.empty_strided_like(x)
+    plan = _plan.plan_segment(S, call.itemsize, call.aligned(x, dy, dx), call.info, tensors=2)
     if plan is None:
         return None
-    dx = call.bk.empty_strided_like(x)
     sums = call.stats((N * C * 2,), x)
     tickets = partials = None
     if plan.team > 1:
-        tickets = call.bk.zeros_int32(1 + N * G, x)
-        partials = call.stats((N * G * plan.team * 2 * Cg,), x)
-    smem = _plan.round_up(2 * plan.slice_len * call.itemsize, 16) + 2 * Cg * _ITEMSIZE[call.acc]
-    threads = call.threads(_SEGMENT, "segment_norm_bwd", plan.threads)
+        tickets = call.bk.zeros_int32(1 + N * C, x)
+        partials = call.stats((N * C * plan.team * 2,), x)
     # fmt: off
-    call.launch(_SEGMENT, "segment_norm_bwd", N * G * plan.team, (threads,), (
+    threads = call.threads(_SEGMENT, "segment_norm_bwd_instance", plan.threads)
+    call.launch(_SEGMENT, "segment_norm_bwd_instance", N * C * plan.team, (threads,), (
         call.ptr(x), call.ptr(dy), call.ptr(weight), call.ptr(mean), call.ptr(rstd), call.ptr(dx),
-        call.ptr(sums), np.int32(Cg * S), np.int32(plan.slice_len), np.int32(S), np.int32(Cg),
-        np.int32(G), np.int32(plan.team), call.ptr(tickets), call.ptr(partials),
-        np.int32(plan.vectorized)), smem=smem)
+        call.ptr(sums), np.int32(S), np.int32(plan.slice_len), np.int32(C),
+        np.int32(plan.team), call.ptr(tickets), call.ptr(partials), np.int32(plan.vectorized)),
+        smem=plan.smem)
     # fmt: on
     need_dw = needs_input_grad[1] and weight is not None
     dweight = call.grads((C,), weight, x) if need_dw else None
     dbias = call.grads((C,), weight, x) if needs_input_grad[2] else None
     if dweight is not None or dbias is not None:  # sums[n, c] -> per-channel, over the batch
         _bwd_finalize(
-            call, sums, N, C, 1, rstd, weight, G, Cg, 0, 0, False, dweight, dbias, None, None
+            call, sums, N, C, 1, rstd, weight, C, 1, 0, 0, False, dweight, dbias, None, None
         )
     return dx, dweight, dbias
 
