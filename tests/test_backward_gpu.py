@@ -58,6 +58,12 @@ GN_CASES = [
     ((3, 6, 5, 7), 3, "channels_last"),
     ((2, 32, 9, 10), 8, "channels_last"),
     ((2, 4, 256, 256), 4, "contiguous"),
+    # Cg > 1: planes that are not whole packs (tiles and packs straddling channels), odd planes,
+    # and the diffusion shape
+    ((2, 16, 64, 64), 2, "contiguous"),
+    ((2, 12, 75, 77), 3, "contiguous"),
+    ((2, 9, 31, 1), 3, "contiguous"),
+    ((4, 320, 16, 16), 32, "contiguous"),
 ]
 
 
