@@ -37,32 +37,19 @@ __device__ __forceinline__ void team_place(int team, int* __restrict__ tickets, 
     rank = team > 1 ? ticket % team : 0;
 }
 
-// Thread 0 only: publish this CTA's K values for the segment (never waits).
-template <int K>
-__device__ __forceinline__ void team_publish(const acc_t (&values)[K], int64 seg, int rank, int team,
-                                             int* __restrict__ tickets,
-                                             acc_t* __restrict__ partials) {
-    volatile acc_t* slot = partials + K * (seg * team + rank);
-#pragma unroll
-    for (int i = 0; i < K; ++i) slot[i] = values[i];
-    __threadfence();
-    atomicAdd(tickets + 1 + seg, 1);
-}
-
-// Thread 0 only: wait until the whole team of the segment has published.
-__device__ __forceinline__ void team_wait(int64 seg, int team, int* __restrict__ tickets) {
-    const volatile int* arrived = tickets + 1 + seg;
-    while (*arrived < team) __nanosleep(100);
-    __threadfence();
-}
-
 // Thread 0 only: publish this CTA's K values for the segment, then wait until the whole team has.
 template <int K>
 __device__ __forceinline__ void team_publish_and_wait(const acc_t (&values)[K], int64 seg, int rank,
                                                       int team, int* __restrict__ tickets,
                                                       acc_t* __restrict__ partials) {
-    team_publish<K>(values, seg, rank, team, tickets, partials);
-    team_wait(seg, team, tickets);
+    volatile acc_t* slot = partials + K * (seg * team + rank);
+#pragma unroll
+    for (int i = 0; i < K; ++i) slot[i] = values[i];
+    __threadfence();
+    atomicAdd(tickets + 1 + seg, 1);
+    const volatile int* arrived = tickets + 1 + seg;
+    while (*arrived < team) __nanosleep(100);
+    __threadfence();
 }
 
 // ---- the forward's phases ------------------------------------------------------------------------

@@ -18,14 +18,9 @@
 #include "common.cuh"
 
 #define UNROLL 4
-// Rows per channel a columns-statistics thread reduces exactly before one merge, and the CTAs
-// per SM its registers must allow (the block is at most COLS_THREADS_MAX threads).
-#ifndef COLS_STATS_ROWS
+// Rows per channel a columns-statistics thread reduces exactly before one merge; its block is at
+// most COLS_THREADS_MAX threads (_plan.COLS_THREADS).
 #define COLS_STATS_ROWS 8
-#endif
-#ifndef COLS_STATS_MIN_BLOCKS
-#define COLS_STATS_MIN_BLOCKS 1
-#endif
 #define COLS_THREADS_MAX 256
 
 // ------------------------------------------------------------------------------------------------
@@ -185,7 +180,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     }
 }
 
-extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, COLS_STATS_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1)
 strided_norm_stats_cols(const scalar_t* __restrict__ x,
                                                    acc_t* __restrict__ partials, int64 N, int64 R,
                                                    int64 C, int64 row_stride, int64 sample_stride,
