@@ -128,18 +128,16 @@ def argument_codes(args: tuple) -> str:
 
 
 class Launcher:
-    """One compiled kernel and the packer of its argument list, ready to launch.
-
-    ``launch`` takes plain Python ints and floats (or numpy scalars) in the order of ``codes``.
+    """One compiled kernel and the packer of its argument list (struct ``codes``), ready to
+    launch; ``launch`` takes plain Python ints and floats (or numpy scalars) in that order.
     """
 
-    __slots__ = ("function", "device_id", "ptr", "codes", "_packer", "_offsets", "_local")
+    __slots__ = ("function", "device_id", "ptr", "_packer", "_offsets", "_local")
 
     def __init__(self, function: Any, device_id: int, codes: str) -> None:
         self.function = function  # keeps the module (and so the function pointer) alive
         self.device_id = device_id
         self.ptr = function.ptr
-        self.codes = codes
         self._packer = struct.Struct("@" + codes)
         self._offsets = [
             struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + codes[i])

@@ -186,7 +186,9 @@ class _Recording:
             indices.append(index)
         if not self.ok:
             return None
-        return _Program(tuple(self.allocations), tuple(self.steps), tuple(indices), self.mutating)
+        # the backend's allocation methods, bound once
+        allocations = tuple((getattr(self.bk, m), args) for m, args in self.allocations)
+        return _Program(allocations, tuple(self.steps), tuple(indices), self.mutating)
 
 
 class _RecordingBackend:
@@ -231,8 +233,8 @@ class _Program:
     def run(self, bk: Any, device: int, tensors: list) -> tuple:
         like = tensors[0]
         objects = list(tensors)
-        for method, args in self.allocations:
-            objects.append(getattr(bk, method)(*args, like))
+        for allocate, args in self.allocations:
+            objects.append(allocate(*args, like))
         ptr = bk.ptr
         pointers = [ptr(o) for o in objects]
         stream = bk.stream(device)

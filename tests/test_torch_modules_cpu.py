@@ -553,10 +553,12 @@ def test_fake_tensor_mode_cpu_matches_real(kernels):
 # ---------------------------------------------------------------------------------------------
 class _LooseHost:
     @staticmethod
-    def group_norm_fwd(x, num_groups, weight, bias, eps, *, want_var=False):
+    def group_norm_fwd(x, num_groups, weight, bias, eps, *, want_var=False, want_stats=True):
         assert x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
         y, mean, rstd, var = _ops._group_norm_fwd_reference(x, num_groups, weight, bias, eps, True)
         y = y.contiguous()  # layout not preserved
+        if not want_stats:
+            mean = rstd = None
         return (y, mean, rstd, var) if want_var else (y, mean, rstd)
 
     @staticmethod

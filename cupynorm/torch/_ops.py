@@ -236,10 +236,19 @@ def _group_norm_bwd_reference(
 
 
 def _group_norm_fwd_cuda(
-    x: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
+    x: Tensor,
+    num_groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    want_stats: bool = True,
 ):
+    """(y, mean, rstd); without ``want_stats`` (no autograd) mean and rstd are None and the
+    kernels skip them where they can."""
     x, fmt = _dense(x)
-    y, mean, rstd = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps)
+    y, mean, rstd = _host().group_norm_fwd(
+        x, num_groups, _vec(weight), _vec(bias), eps, want_stats=want_stats
+    )
     return y.contiguous(memory_format=fmt), mean, rstd
 
 
@@ -276,12 +285,10 @@ def _group_norm_fwd(x, num_groups, weight, bias, eps):
 
 
 def _group_norm_output(x, num_groups, weight, bias, eps) -> Tensor:
-    """y alone (no autograd): the kernels skip the statistics where they can."""
-    if not x.is_cuda:
-        return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)[0]
-    x, fmt = _dense(x)
-    y = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps, want_stats=False)[0]
-    return y.contiguous(memory_format=fmt)
+    """y alone (no autograd)."""
+    if x.is_cuda:
+        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, want_stats=False)[0]
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)[0]
 
 
 def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
