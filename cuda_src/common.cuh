@@ -169,6 +169,10 @@ __device__ __forceinline__ Stats block_stats(Stats s, Stats* scratch) {
     return s;
 }
 
+__host__ __device__ constexpr int round_up16(unsigned long long bytes) {
+    return static_cast<int>((bytes + 15) & ~15ull);
+}
+
 // ---- PTX helpers -------------------------------------------------------------------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned long long a;
@@ -183,4 +187,12 @@ __device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src)
 }
 __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// wait until at most `pending` of this thread's committed groups are still in flight
+template <int pending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending) : "memory");
 }

@@ -85,23 +85,45 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
 }
 
 // ------------------------------------------------------------------------------------------------
+// Columns passes deal each sample's rows to its CTAs in blocks, interleaved: CTA j of ctas_per_n
+// takes blocks j, j + ctas_per_n, ... (any grid size, no empty CTA, one partial last block).
+
 // partial statistics, columns layout. Block (TX, TY): thread x owns channels [cp*V, cp*V + V) of a
-// channel tile, thread y strides over the CTA's rows; the TY triples of a channel are then merged
-// as a tree through shared memory. Grid (1-D): N * ctas_per_n CTAs, CTA (n, chunk) covers rows
-// [chunk * rows_per_cta, ...) of sample n. It writes one triple per (n, chunk, c):
+// channel tile, thread y the rows ty, ty + TY, ... of each block of COLS_STATS_ROWS * TY rows; the
+// TY triples of a channel are then merged as a tree through shared memory. Grid (1-D):
+// N * ctas_per_n CTAs. It writes one triple per (n, chunk, c):
 //   per-sample:  k = n*G + c/Cg, slot = chunk*Cg + c%Cg,   sets of P = ctas_per_n * Cg triples
 //   per-channel: k = c,          slot = n*ctas_per_n + chunk, sets of P = N * ctas_per_n triples
-// Dynamic shared memory: TX * TY * V * sizeof(Stats).
+// 16-byte packs are double-buffered through shared memory (cp.async): the next block's loads are in
+// flight while this one is reduced, so the pass is not latency-bound at 2 CTAs per SM.
+// Dynamic shared memory: TX * TY * V * sizeof(Stats), then (V == VEC only) 2 * COLS_STATS_ROWS *
+// TX * TY packs.
+template <int V>
+__device__ __forceinline__ void stats_cols_push(Stats (&st)[V], const acc_t (&shift)[V],
+                                                const Pack<V> (&p)[COLS_STATS_ROWS]) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        acc_t v[COLS_STATS_ROWS];
+#pragma unroll
+        for (int u = 0; u < COLS_STATS_ROWS; ++u) v[u] = to_acc(p[u].v[e]) - shift[e];
+        stats_push<COLS_STATS_ROWS>(st[e], v);
+    }
+}
+
 template <int V>
 __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ partials,
                                            int64 N, int64 R, int64 C, int64 row_stride,
-                                           int64 sample_stride, int64 rows_per_cta, int64 ctas_per_n,
-                                           int groups, int64 chans_per_group) {
+                                           int64 sample_stride, int64 ctas_per_n, int groups,
+                                           int64 chans_per_group) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Stats* partial_rows = reinterpret_cast<Stats*>(smem_raw);
-    const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
-    const int64 r0 = chunk * rows_per_cta, r1 = min(r0 + rows_per_cta, R);
     const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
+    const int tid = ty * TX + tx, threads = TX * TY;
+    Stats* partial_rows = reinterpret_cast<Stats*>(smem_raw);
+    // stage s, row u of thread tid: staged[(s * COLS_STATS_ROWS + u) * threads + tid]
+    Pack<V>* staged = reinterpret_cast<Pack<V>*>(smem_raw + round_up16(threads * V * sizeof(Stats)));
+    constexpr bool pipelined = sizeof(Pack<V>) == 16;
+    const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
+    const int64 block_rows = COLS_STATS_ROWS * TY, full_blocks = R / block_rows;
     const scalar_t* __restrict__ xn = x + n * sample_stride;
     const int64 n_packs = C / V;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
@@ -122,30 +144,52 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
                 const int64 c = cp * V + e;
                 shift[e] = groups > 0 ? to_acc(xn[c - c % chans_per_group]) : to_acc(x[c]);
             }
-            int64 r = r0 + ty;
-            for (; r + (COLS_STATS_ROWS - 1) * TY < r1; r += COLS_STATS_ROWS * TY) {
-                Pack<V> p[COLS_STATS_ROWS];
+            if constexpr (pipelined) {
+                auto issue = [&](int64 b, int stage) {
 #pragma unroll
-                for (int u = 0; u < COLS_STATS_ROWS; ++u)
-                    p[u] = load_pack<V>(xn + (r + u * TY) * row_stride, cp);
+                    for (int u = 0; u < COLS_STATS_ROWS; ++u)
+                        cp_async16(staged + (stage * COLS_STATS_ROWS + u) * threads + tid,
+                                   xn + (b * block_rows + ty + u * TY) * row_stride + cp * V);
+                    cp_async_commit();
+                };
+                if (chunk < full_blocks) issue(chunk, 0);
+                int stage = 0;
+                for (int64 b = chunk; b < full_blocks; b += ctas_per_n, stage ^= 1) {
+                    if (b + ctas_per_n < full_blocks) {
+                        issue(b + ctas_per_n, stage ^ 1);
+                        cp_async_wait<1>();
+                    } else {
+                        cp_async_wait<0>();
+                    }
+                    // each thread reads back only its own copies: no barrier
+                    Pack<V> p[COLS_STATS_ROWS];
 #pragma unroll
-                for (int e = 0; e < V; ++e) {
-                    acc_t v[COLS_STATS_ROWS];
+                    for (int u = 0; u < COLS_STATS_ROWS; ++u)
+                        p[u] = staged[(stage * COLS_STATS_ROWS + u) * threads + tid];
+                    stats_cols_push<V>(st, shift, p);
+                }
+            } else {
+                for (int64 b = chunk; b < full_blocks; b += ctas_per_n) {
+                    Pack<V> p[COLS_STATS_ROWS];
 #pragma unroll
-                    for (int u = 0; u < COLS_STATS_ROWS; ++u) v[u] = to_acc(p[u].v[e]) - shift[e];
-                    stats_push<COLS_STATS_ROWS>(st[e], v);
+                    for (int u = 0; u < COLS_STATS_ROWS; ++u)
+                        p[u] = load_pack<V>(xn + (b * block_rows + ty + u * TY) * row_stride, cp);
+                    stats_cols_push<V>(st, shift, p);
                 }
             }
-            for (; r < r1; r += TY) {
-                const Pack<V> p = load_pack<V>(xn + r * row_stride, cp);
+            // the last, partial block of the sample: one row at a time
+            if (full_blocks % ctas_per_n == chunk) {
+                for (int64 r = full_blocks * block_rows + ty; r < R; r += TY) {
+                    const Pack<V> p = load_pack<V>(xn + r * row_stride, cp);
 #pragma unroll
-                for (int e = 0; e < V; ++e)
-                    st[e] = stats_merge(st[e], Stats{acc_t(1), to_acc(p.v[e]) - shift[e], acc_t(0)});
+                    for (int e = 0; e < V; ++e)
+                        st[e] = stats_merge(st[e], Stats{acc_t(1), to_acc(p.v[e]) - shift[e], acc_t(0)});
+                }
             }
         }
         __syncthreads();  // the previous tile's readers are done with partial_rows
 #pragma unroll
-        for (int e = 0; e < V; ++e) partial_rows[(ty * TX + tx) * V + e] = st[e];
+        for (int e = 0; e < V; ++e) partial_rows[tid * V + e] = st[e];
         // merge the TY rows of triples as a tree (fixed pairs: reproducible); a sequential merge
         // by the TX threads of row 0 was the bottleneck (BatchNorm fp16 channels_last: 1.7 TB/s)
         for (int live = TY; live > 1;) {
@@ -181,17 +225,15 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
 }
 
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1)
-strided_norm_stats_cols(const scalar_t* __restrict__ x,
-                                                   acc_t* __restrict__ partials, int64 N, int64 R,
-                                                   int64 C, int64 row_stride, int64 sample_stride,
-                                                   int64 rows_per_cta, int64 ctas_per_n, int groups,
-                                                   int64 chans_per_group, int vectorized) {
+strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ partials, int64 N,
+                        int64 R, int64 C, int64 row_stride, int64 sample_stride, int64 ctas_per_n,
+                        int groups, int64 chans_per_group, int vectorized) {
     if (vectorized)
-        stats_cols<VEC>(x, partials, N, R, C, row_stride, sample_stride, rows_per_cta, ctas_per_n,
-                        groups, chans_per_group);
+        stats_cols<VEC>(x, partials, N, R, C, row_stride, sample_stride, ctas_per_n, groups,
+                        chans_per_group);
     else
-        stats_cols<1>(x, partials, N, R, C, row_stride, sample_stride, rows_per_cta, ctas_per_n,
-                      groups, chans_per_group);
+        stats_cols<1>(x, partials, N, R, C, row_stride, sample_stride, ctas_per_n, groups,
+                      chans_per_group);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -358,7 +400,8 @@ extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
         apply_rows<1, true>(APPLY_ROWS_ARGS);
 }
 
-// columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs.
+// columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs, each taking
+// its sample's blocks of UNROLL * TY rows as the statistics pass does.
 template <int V, bool BACKWARD>
 __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ dy,
@@ -369,11 +412,11 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const acc_t* __restrict__ rstd,
                                            const acc_t* __restrict__ u, const acc_t* __restrict__ v,
                                            int64 R, int64 C, int64 row_stride, int64 sample_stride,
-                                           int groups, int64 chans_per_group, int64 rows_per_cta,
-                                           int64 ctas_per_n) {
+                                           int groups, int64 chans_per_group, int64 ctas_per_n) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
-    const int64 r0 = chunk * rows_per_cta, r1 = min(r0 + rows_per_cta, R);
     const int TY = blockDim.y;
+    const int64 block_rows = UNROLL * TY;
+    const int64 blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
     for (int64 cp = threadIdx.x; cp < n_packs; cp += blockDim.x) {
@@ -382,38 +425,41 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
         for (int e = 0; e < V; ++e)
             f[e] = coeffs_of<BACKWARD>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
                                        chans_per_group);
-        int64 r = r0 + threadIdx.y;
-        for (; r + (UNROLL - 1) * TY < r1; r += UNROLL * TY) {
-            Pack<V> p[UNROLL], g[UNROLL];
+        for (int64 b = chunk; b < blocks; b += ctas_per_n) {
+            const int64 r1 = min(b * block_rows + block_rows, R);
+            int64 r = b * block_rows + threadIdx.y;
+            for (; r + (UNROLL - 1) * TY < r1; r += UNROLL * TY) {
+                Pack<V> p[UNROLL], g[UNROLL];
 #pragma unroll
-            for (int i = 0; i < UNROLL; ++i) {
-                p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
-                if (BACKWARD) g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
+                for (int i = 0; i < UNROLL; ++i) {
+                    p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
+                    if (BACKWARD) g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
+                }
+#pragma unroll
+                for (int i = 0; i < UNROLL; ++i)
+                    store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
+                                   apply_pack<V, BACKWARD>(p[i], g[i], f));
             }
-#pragma unroll
-            for (int i = 0; i < UNROLL; ++i)
-                store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
-                              apply_pack<V, BACKWARD>(p[i], g[i], f));
-        }
-        for (; r < r1; r += TY) {
-            const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
-            Pack<V> g;
-            if (BACKWARD) g = load_pack<V>(dy + base + r * row_stride, cp);
-            store_pack<V>(out + base + r * row_stride, cp, apply_pack<V, BACKWARD>(p, g, f));
+            for (; r < r1; r += TY) {  // the sample's last block may be partial
+                const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
+                Pack<V> g;
+                if (BACKWARD) g = load_pack<V>(dy + base + r * row_stride, cp);
+                store_pack<V>(out + base + r * row_stride, cp, apply_pack<V, BACKWARD>(p, g, f));
+            }
         }
     }
 }
 
 #define APPLY_COLS_ARGS                                                                          \
     x, dy, out, weight, bias, mean, rstd, u, v, R, C, row_stride, sample_stride, groups,         \
-        chans_per_group, rows_per_cta, ctas_per_n
+        chans_per_group, ctas_per_n
 #define APPLY_COLS_PARAMS                                                                        \
     const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 R, int64 C,             \
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
-        int64 rows_per_cta, int64 ctas_per_n, int vectorized
+        int64 ctas_per_n, int vectorized
 
 extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
     if (vectorized)
@@ -505,20 +551,19 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
 }
 
 // columns layout, grid and block as apply_cols: one partial per (n, c, chunk), T = ctas_per_n.
-// Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
+// Blocks of UNROLL * TY rows as apply_cols. Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
 template <int V>
 __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
                                               acc_t* __restrict__ partials, int64 R, int64 C,
                                               int64 row_stride, int64 sample_stride, int groups,
-                                              int64 chans_per_group, int64 rows_per_cta,
-                                              int64 ctas_per_n) {
+                                              int64 chans_per_group, int64 ctas_per_n) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     acc_t* sums = reinterpret_cast<acc_t*>(smem_raw);
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
-    const int64 r0 = chunk * rows_per_cta, r1 = min(r0 + rows_per_cta, R);
     const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
+    const int64 block_rows = UNROLL * TY, blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
@@ -532,15 +577,17 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                 const int64 c = cp * V + e;
                 m[e] = mean[groups > 0 ? n * groups + c / chans_per_group : c];
             }
-            int64 r = r0 + ty;
-            for (; r < r1; r += TY) {
-                const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
-                const Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
+            for (int64 b = chunk; b < blocks; b += ctas_per_n) {
+                const int64 r1 = min(b * block_rows + block_rows, R);
+                for (int64 r = b * block_rows + ty; r < r1; r += TY) {
+                    const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
+                    const Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
 #pragma unroll
-                for (int e = 0; e < V; ++e) {
-                    const acc_t d = to_acc(g.v[e]);
-                    sdy[e] += d;
-                    sdx[e] += d * (to_acc(p.v[e]) - m[e]);
+                    for (int e = 0; e < V; ++e) {
+                        const acc_t d = to_acc(g.v[e]);
+                        sdy[e] += d;
+                        sdx[e] += d * (to_acc(p.v[e]) - m[e]);
+                    }
                 }
             }
         }
@@ -573,13 +620,13 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
 extern "C" __global__ void strided_norm_bwd_sums_cols(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 R, int64 C, int64 row_stride, int64 sample_stride,
-    int groups, int64 chans_per_group, int64 rows_per_cta, int64 ctas_per_n, int vectorized) {
+    int groups, int64 chans_per_group, int64 ctas_per_n, int vectorized) {
     if (vectorized)
         bwd_sums_cols<VEC>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                           chans_per_group, rows_per_cta, ctas_per_n);
+                           chans_per_group, ctas_per_n);
     else
         bwd_sums_cols<1>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                         chans_per_group, rows_per_cta, ctas_per_n);
+                         chans_per_group, ctas_per_n);
 }
 
 // Pass 2. partials[(n*C + c)*T + t] for n < NP (NP = 1 when the columns pass folded the batch).

@@ -342,21 +342,27 @@ def _stats_cols(
     """Partial triples over channel-innermost data (strided_norm_stats_cols)."""
     aligned = call.aligned(x, strides=(sample_stride,))
     acc_size = np.dtype(call.acc).itemsize
+
+    def smem_bytes(threads: int, vec: int, staged: bool) -> int:
+        # the block's triples, then (16-byte packs) two stages of COLS_STATS_ROWS packs per thread
+        triples = -(-threads * vec * 3 * acc_size // 16) * 16
+        return triples + (2 * _plan.COLS_STATS_ROWS * threads * 16 if staged else 0)
+
     resident = _compile.resident_ctas(
         call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,
-        _plan.COLS_THREADS, _plan.COLS_THREADS * call.vec * 3 * acc_size,
+        _plan.COLS_THREADS, smem_bytes(_plan.COLS_THREADS, call.vec, True),
     )  # fmt: skip
     plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info, resident)
     vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1
     triples = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
-    smem = plan.tx * plan.ty * vec * 3 * acc_size
+    smem = smem_bytes(plan.tx * plan.ty, vec, plan.vectorized)
     i64 = np.int64
     # fmt: off
     call.launch(_STRIDED, "strided_norm_stats_cols", samples * plan.ctas_per_sample,
                 (plan.tx, plan.ty), (
         call.ptr(x), call.ptr(triples), i64(samples), i64(rows), i64(channels), i64(channels),
-        i64(sample_stride), i64(plan.rows_per_cta), i64(plan.ctas_per_sample), np.int32(groups),
-        i64(chans_per_group), np.int32(plan.vectorized)), smem=smem)
+        i64(sample_stride), i64(plan.ctas_per_sample), np.int32(groups), i64(chans_per_group),
+        np.int32(plan.vectorized)), smem=smem)
     # fmt: on
     if groups > 0:  # set (n, g) starts at sample n, channel g * Cg
         return _Partials(
@@ -460,7 +466,6 @@ def _elementwise(
         i64(S * C),
         np.int32(groups),
         i64(cpg),
-        i64(plan.rows_per_cta),
         i64(plan.ctas_per_sample),
         np.int32(plan.vectorized),
     )

@@ -34,6 +34,9 @@ PACKS_PER_THREAD = 8
 APPLY_PACKS_PER_THREAD = 2
 #: Threads of a columns-layout CTA (TX channel packs x TY rows); COLS_THREADS_MAX of the kernels.
 COLS_THREADS = 256
+#: Rows per channel a columns-statistics thread reduces exactly per merge (the kernels' define);
+#: its 16-byte packs are double-buffered in shared memory, this many per thread per stage.
+COLS_STATS_ROWS = 8
 #: Columns apply/dx passes: CTAs per SM to aim for. Many short chunks balance the SMs (BatchNorm
 #: fp16 channels_last 256x64x112x112 apply on an H200: 8/SM 232 us, 32/SM 211 us). The columns
 #: statistics pass instead runs one wave, as many CTAs as are resident at once (2/SM: 117 us,
@@ -191,11 +194,11 @@ def plan_rows_apply(plane_len: int, itemsize: int, aligned: bool) -> RowsApplyPl
 
 @dataclass(frozen=True)
 class ColsPlan:
-    """Channel-innermost passes (strided_norm_stats_cols / _apply_cols)."""
+    """Channel-innermost passes (strided_norm_stats_cols / _apply_cols). Each sample's rows are
+    dealt to its ``ctas_per_sample`` CTAs in interleaved blocks (see strided_norm.cu)."""
 
     tx: int
     ty: int
-    rows_per_cta: int
     ctas_per_sample: int
     vectorized: bool
 
@@ -222,8 +225,7 @@ def plan_cols(
     # 16x320x64x64 statistics: 17 CTAs per sample on 264 resident slots was 272 CTAs)
     want = max(1, device.sm_count * ctas_per_sm // samples)
     ctas = max(1, min(want, -(-rows // (COLS_MIN_ROWS_PER_THREAD * ty))))
-    rows_per_cta = -(-rows // ctas)
-    return ColsPlan(tx, ty, rows_per_cta, -(-rows // rows_per_cta), vectorized)
+    return ColsPlan(tx, ty, ctas, vectorized)
 
 
 def finalize_grid(num_sets: int) -> tuple[int, int]:

@@ -80,38 +80,7 @@ def main() -> None:
     )
     for kernel in ("strided_norm_stats_rows", "strided_norm_apply_rows"):
         print(f"  {kernel}: {registers('strided_norm.cu', kernel)} registers")
-    # channels_last passes (BatchNorm fp16 256x64x112x112) under several grid shapes
-    xc = torch.randn(256, 64, 112, 112, device="cuda", dtype=torch.float16)
-    xc = xc.to(memory_format=torch.channels_last)
-    yc = torch.empty_like(xc)
-    callc = _ops._Call(xc)
-    gbc = xc.numel() * 2 / 1e9
-    Nc, Sc = 256, 112 * 112
-    bm, br = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
-    for ctas_per_sm, threads in ((8, 256), (2, 256), (32, 256), (8, 512), (8, 128)):
-        _plan.SPLIT_CTAS_PER_SM, _plan.COLS_THREADS = ctas_per_sm, threads
-        replan()
-        t_stats = time_ms(lambda: _ops._stats_cols(callc, xc, 1, Nc * Sc, 64, 0, 0, 1))
-        t_apply = time_ms(
-            lambda: _ops._apply(
-                callc, xc, yc, None, None, bm, br, "channels_last", Nc, 64, Sc, 0, 1
-            )
-        )
-        report(f"BN cl stats_cols ctas/SM={ctas_per_sm} threads={threads}", t_stats, gbc)
-        report(f"BN cl apply_cols ctas/SM={ctas_per_sm} threads={threads}", t_apply, 2 * gbc)
-    _plan.SPLIT_CTAS_PER_SM, _plan.COLS_THREADS = 8, 256
-    replan()
-    # GroupNorm(32) fp16 channels_last 16x320x64x64: few rows per sample
-    xg = torch.randn(16, 320, 64, 64, device="cuda", dtype=torch.float16)
-    xg = xg.to(memory_format=torch.channels_last)
-    for min_rows in (4, 16, 32, 64):
-        _plan.COLS_MIN_ROWS_PER_THREAD = min_rows
-        replan()
-        ms = time_ms(lambda: _ops.group_norm_fwd(xg, 32, None, None, 1e-5))
-        report(f"GN32 fp16 cl forward, >= {min_rows} rows per thread", ms, 2 * xg.numel() * 2 / 1e9)
-    _plan.COLS_MIN_ROWS_PER_THREAD = 32
-    replan()
-    xc = yc = None  # free them for the next section
+    # the channels_last passes: scripts/profile_cols.py
 
     # on-chip segment kernels under several thread counts (packs per thread)
     y = None  # free the output of the split passes

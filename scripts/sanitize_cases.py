@@ -26,8 +26,14 @@ def close(a, b, tol=1e-4):
 def main() -> None:
     for dtype in (torch.float32, torch.float16):
         tol = 1e-4 if dtype == torch.float32 else 1e-2
-        for shape, groups in (((3, 6, 5, 7), 3), ((2, 4, 300, 300), 4), ((2, 3, 37, 41), 1)):
-            # one CTA (aligned and unaligned) and a team of CTAs (300 x 300 fp32 = 352 KiB)
+        for shape, groups in (
+            ((3, 6, 5, 7), 3),
+            ((2, 4, 300, 300), 4),
+            ((2, 3, 37, 41), 1),
+            ((2, 64, 33, 35), 8),
+        ):
+            # one CTA (aligned and unaligned) and a team of CTAs (300 x 300 fp32 = 352 KiB);
+            # 64 channels: the columns passes on 16-byte packs (staged statistics)
             x = torch.randn(shape, device="cuda", dtype=dtype)
             w = torch.rand(shape[1], device="cuda", dtype=dtype) + 0.5
             close(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from cupynorm import _plan
+from cupynorm import _compile, _plan
 
 H200 = _plan.DeviceInfo(sm_count=132, compute_capability=90, smem_optin=232448)
 A100 = _plan.DeviceInfo(sm_count=108, compute_capability=80, smem_optin=166912)
@@ -68,8 +70,15 @@ def test_rows_stats_plan_covers_set() -> None:
 def test_cols_plan(ctas_per_sm) -> None:
     plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200, ctas_per_sm)
     assert plan.vectorized and plan.tx == 40 and plan.tx * plan.ty <= _plan.COLS_THREADS
-    assert plan.rows_per_cta * plan.ctas_per_sample >= 64 * 64
-    assert (plan.rows_per_cta - 1) * plan.ctas_per_sample < 64 * 64  # no empty CTA
+    # every CTA gets whole blocks of COLS_STATS_ROWS rows per thread (no empty CTA)
+    block_rows = _plan.COLS_STATS_ROWS * plan.ty
+    assert plan.ctas_per_sample <= (64 * 64) // block_rows
+
+
+def test_cols_plan_constants_match_the_kernels() -> None:
+    source = (Path(_compile.source_dir()) / "strided_norm.cu").read_text()
+    assert f"#define COLS_STATS_ROWS {_plan.COLS_STATS_ROWS}\n" in source
+    assert f"#define COLS_THREADS_MAX {_plan.COLS_THREADS}\n" in source
 
 
 def test_cols_plan_aims_at_ctas_per_sm() -> None:
