@@ -458,6 +458,7 @@ def _elementwise(
         aligned and (S * C) % call.vec == 0,
         call.info,
         cols_ctas_per_sm or _plan.COLS_APPLY_CTAS_PER_SM,
+        _plan.COLS_APPLY_THREADS,
     )
     tail = (
         i64(rows),

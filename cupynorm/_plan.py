@@ -32,8 +32,11 @@ PACKS_PER_THREAD = 8
 #: SMs best (BatchNorm fp32 64x64x512x512 apply on an H200, 2 / 4 / 8 / 16 / 32 / 64 packs:
 #: 2.01 / 2.10-2.12 / 2.14 / 2.18 / 2.19 / 2.21 ms; a copy of the tensor: 2.01 ms).
 APPLY_PACKS_PER_THREAD = 2
-#: Threads of a columns-layout CTA (TX channel packs x TY rows); COLS_THREADS_MAX of the kernels.
+#: Threads of a columns-layout statistics CTA (TX channel packs x TY rows); COLS_THREADS_MAX of
+#: the kernels. The apply/dx/backward-sums CTAs have COLS_APPLY_THREADS (BatchNorm fp16
+#: channels_last apply, 8 rows per thread in flight: 128 threads 206 us, 256 threads 213 us).
 COLS_THREADS = 256
+COLS_APPLY_THREADS = 128
 #: Rows per channel a columns-statistics thread reduces exactly per merge (the kernels' define);
 #: its 16-byte packs are double-buffered in shared memory, this many per thread per stage.
 COLS_STATS_ROWS = 8
@@ -212,15 +215,16 @@ def plan_cols(
     aligned: bool,
     device: DeviceInfo,
     ctas_per_sm: int,
+    threads: int = COLS_THREADS,
 ) -> ColsPlan:
-    """Grid of a channel-innermost pass aiming at ``ctas_per_sm`` CTAs per SM: the statistics
-    pass asks for one wave (what its registers leave resident), the apply passes for
-    COLS_APPLY_CTAS_PER_SM."""
+    """Grid of a channel-innermost pass of CTAs of about ``threads`` threads, aiming at
+    ``ctas_per_sm`` CTAs per SM: the statistics pass asks for one wave (what its registers leave
+    resident), the apply passes for COLS_APPLY_CTAS_PER_SM."""
     vec = vec_width(itemsize)
     vectorized = aligned and channels % vec == 0
     packs = channels // vec if vectorized else channels
     tx = min(packs, COLS_MAX_TX)
-    ty = max(1, COLS_THREADS // tx)
+    ty = max(1, threads // tx)
     # rounded down: one CTA over a full wave is a second wave (GroupNorm(32) fp16 channels_last
     # 16x320x64x64 statistics: 17 CTAs per sample on 264 resident slots was 272 CTAs)
     want = max(1, device.sm_count * ctas_per_sm // samples)

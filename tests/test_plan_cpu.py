@@ -66,10 +66,11 @@ def test_rows_stats_plan_covers_set() -> None:
     assert plan.chunk % 4 == 0 and plan.ctas_per_set * 64 >= H200.sm_count
 
 
+@pytest.mark.parametrize("threads", [_plan.COLS_THREADS, _plan.COLS_APPLY_THREADS])
 @pytest.mark.parametrize("ctas_per_sm", [1, 2, 8, 32])
-def test_cols_plan(ctas_per_sm) -> None:
-    plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200, ctas_per_sm)
-    assert plan.vectorized and plan.tx == 40 and plan.tx * plan.ty <= _plan.COLS_THREADS
+def test_cols_plan(ctas_per_sm, threads) -> None:
+    plan = _plan.plan_cols(16, 64 * 64, 320, 2, True, H200, ctas_per_sm, threads)
+    assert plan.vectorized and plan.tx == 40 and threads - 40 < plan.tx * plan.ty <= threads
     # every CTA gets whole blocks of COLS_STATS_ROWS rows per thread (no empty CTA)
     block_rows = _plan.COLS_STATS_ROWS * plan.ty
     assert plan.ctas_per_sample <= (64 * 64) // block_rows
