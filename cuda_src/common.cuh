@@ -169,10 +169,6 @@ __device__ __forceinline__ Stats block_stats(Stats s, Stats* scratch) {
     return s;
 }
 
-__host__ __device__ constexpr int round_up16(unsigned long long bytes) {
-    return static_cast<int>((bytes + 15) & ~15ull);
-}
-
 // ---- PTX helpers -------------------------------------------------------------------------------
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     unsigned long long a;

@@ -22,6 +22,8 @@
 // most COLS_THREADS_MAX threads (_plan.COLS_THREADS).
 #define COLS_STATS_ROWS 8
 #define COLS_THREADS_MAX 256
+// Partial triples a finalize lane loads before merging them.
+#define FINALIZE_BATCH 4
 // Rows per thread in flight in the columns apply/dx passes (BatchNorm fp16 channels_last
 // 256x64x112x112 apply on an H200, 128 threads: 2 / 4 / 8 / 16 rows 228 / 218 / 206 / 207 us; a copy
 // of the tensor 198 us)
@@ -99,9 +101,9 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
 //   per-sample:  k = n*G + c/Cg, slot = chunk*Cg + c%Cg,   sets of P = ctas_per_n * Cg triples
 //   per-channel: k = c,          slot = n*ctas_per_n + chunk, sets of P = N * ctas_per_n triples
 // 16-byte packs are double-buffered through shared memory (cp.async): the next block's loads are in
-// flight while this one is reduced, so the pass is not latency-bound at 2 CTAs per SM.
-// Dynamic shared memory: TX * TY * V * sizeof(Stats), then (V == VEC only) 2 * COLS_STATS_ROWS *
-// TX * TY packs.
+// flight while this one is reduced (a deeper ring measured the same: benchmarks/NOTES.md).
+// Dynamic shared memory: the larger of TX * TY * V * sizeof(Stats) (the block's triples) and
+// (V == VEC only) 2 * COLS_STATS_ROWS * TX * TY packs (the ring), which share it.
 template <int V>
 __device__ __forceinline__ void stats_cols_push(Stats (&st)[V], const acc_t (&shift)[V],
                                                 const Pack<V> (&p)[COLS_STATS_ROWS]) {
@@ -124,7 +126,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     const int tid = ty * TX + tx, threads = TX * TY;
     Stats* partial_rows = reinterpret_cast<Stats*>(smem_raw);
     // stage s, row u of thread tid: staged[(s * COLS_STATS_ROWS + u) * threads + tid]
-    Pack<V>* staged = reinterpret_cast<Pack<V>*>(smem_raw + round_up16(threads * V * sizeof(Stats)));
+    Pack<V>* staged = reinterpret_cast<Pack<V>*>(smem_raw);
     constexpr bool pipelined = sizeof(Pack<V>) == 16;
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int64 block_rows = COLS_STATS_ROWS * TY, full_blocks = R / block_rows;
@@ -132,6 +134,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     const int64 n_packs = C / V;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
         const int64 cp = tile + tx;
+        if (tile > 0) __syncthreads();  // the previous tile's triples were read from the ring's memory
         // Per channel: exact statistics of COLS_STATS_ROWS rows at a time, Chan-merged into a running
         // triple. (Shifted sums s2 - s1^2 / n were no faster here and lost up to 5e-5 of the
         // variance on data of mean 1e4: benchmarks/NOTES.md.)
@@ -191,7 +194,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
                 }
             }
         }
-        __syncthreads();  // the previous tile's readers are done with partial_rows
+        __syncthreads();  // every thread is done with the ring that partial_rows overlays
 #pragma unroll
         for (int e = 0; e < V; ++e) partial_rows[tid * V + e] = st[e];
         // merge the TY rows of triples as a tree (fixed pairs: reproducible); a sequential merge
@@ -258,15 +261,27 @@ extern "C" __global__ void strided_norm_finalize(
     const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x & 31;
     if (k >= K) return;  // whole warps leave together
+    // the set's first value, loaded now and used last
+    const acc_t shift = lane == 0 ? to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b])
+                                  : acc_t(0);
+    // FINALIZE_BATCH triples per lane loaded before they are merged (in the same order: the
+    // result does not depend on the batch): the loads overlap instead of one latency per triple
     Stats st = stats_empty();
-    for (int64 p = lane; p < P; p += 32) {
-        const acc_t* t = partials + 3 * (k * P + p);
-        st = stats_merge(st, Stats{t[0], t[1], t[2]});
+    for (int64 p0 = lane; p0 < P; p0 += 32 * FINALIZE_BATCH) {
+        Stats batch[FINALIZE_BATCH];
+#pragma unroll
+        for (int i = 0; i < FINALIZE_BATCH; ++i) {
+            const int64 p = p0 + 32 * i;
+            const acc_t* t = partials + 3 * (k * P + p);
+            batch[i] = p < P ? Stats{t[0], t[1], t[2]} : stats_empty();
+        }
+#pragma unroll
+        for (int i = 0; i < FINALIZE_BATCH; ++i) st = stats_merge(st, batch[i]);
     }
     st = warp_stats(st);
     if (lane == 0) {
         const acc_t v = st.m2 / static_cast<acc_t>(count);
-        const acc_t m = to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b]) + st.mean;
+        const acc_t m = shift + st.mean;
         mean[k] = m;
         rstd[k] = rsqrt_acc(v + eps);
         if (var != nullptr) var[k] = v;

@@ -344,9 +344,9 @@ def _stats_cols(
     acc_size = np.dtype(call.acc).itemsize
 
     def smem_bytes(threads: int, vec: int, staged: bool) -> int:
-        # the block's triples, then (16-byte packs) two stages of COLS_STATS_ROWS packs per thread
-        triples = -(-threads * vec * 3 * acc_size // 16) * 16
-        return triples + (2 * _plan.COLS_STATS_ROWS * threads * 16 if staged else 0)
+        # the block's triples, overlaying (16-byte packs) the two stages of staged rows
+        ring = 2 * _plan.COLS_STATS_ROWS * threads * 16 if staged else 0
+        return max(threads * vec * 3 * acc_size, ring)
 
     resident = _compile.resident_ctas(
         call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,

@@ -319,12 +319,22 @@ def test_dlpack_foreign_object():
     check(torch.from_dlpack(out), F.group_norm(x.double(), 2), "float32")
 
 
-def test_nan_inf_propagate_like_torch():
-    x = rand((2, 4, 6, 6), "float32")
+@pytest.mark.parametrize("memory_format", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_nan_inf_propagate_like_torch(norm, memory_format):
+    """One NaN and one inf poison exactly the statistic sets torch's do, on every strategy (on
+    chip, and the strided rows/columns passes with their partial merges)."""
+    x = rand((2, 16, 6, 6), "float32")
     x[0, 0, 1, 1] = float("nan")
-    x[1, 2, 0, 0] = float("inf")
-    out = cupynorm.group_norm(x, 2)
-    ref = F.group_norm(x, 2)
+    x[1, 8, 0, 0] = float("inf")
+    if memory_format == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    if norm == "group":
+        out, ref = cupynorm.group_norm(x, 2), F.group_norm(x, 2)
+    else:
+        out = cupynorm.batch_norm(x, None, None, training=True)
+        ref = F.batch_norm(x, None, None, training=True)
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     finite = torch.isfinite(ref)
+    assert finite.any()
     torch.testing.assert_close(out[finite], ref[finite])
