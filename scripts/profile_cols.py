@@ -24,6 +24,17 @@ def check(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
         raise SystemExit(f"{name}: wrong result (max abs error vs torch {err:.2e})")
 
 
+def over_apply_grids(name: str, fn, gbytes: float) -> None:
+    """Time ``fn`` with the apply passes aiming at 8 and at 32 CTAs per SM."""
+    default = _plan.COLS_APPLY_CTAS_PER_SM
+    for per_sm in (8, 32):
+        _plan.COLS_APPLY_CTAS_PER_SM = per_sm
+        replan()
+        report(f"{name}, apply {per_sm} CTAs/SM", time_ms(fn), gbytes)
+    _plan.COLS_APPLY_CTAS_PER_SM = default
+    replan()
+
+
 def main() -> None:
     a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -58,16 +69,10 @@ def main() -> None:
     def apply():
         return _ops._apply(call, x, y, w, bias, mean, rstd, "channels_last", N, C, S, 0, 1)
 
-    default = _plan.COLS_APPLY_CTAS_PER_SM
     report("BN cl copy of the tensor", time_ms(lambda: y.copy_(x)), 2 * gb)
     report("BN cl apply_cols alone", time_ms(apply), 2 * gb)
     check("BN cl", bn(), bn_torch())
-    for per_sm in (8, 32):
-        _plan.COLS_APPLY_CTAS_PER_SM = per_sm
-        replan()
-        report(f"BN cl forward, apply {per_sm} CTAs/SM", time_ms(bn), 2 * gb)
-    _plan.COLS_APPLY_CTAS_PER_SM = default
-    replan()
+    over_apply_grids("BN cl forward", bn, 2 * gb)
     y = None
     report("BN cl forward, torch eager", time_ms(bn_torch), 2 * gb)
     compiled = torch.compile(bn_torch)
@@ -113,12 +118,7 @@ def main() -> None:
         2 * gbg,
     )
     report("GN32 cl copy of the tensor", time_ms(lambda: yg.copy_(xg)), 2 * gbg)
-    for per_sm in (8, 32):
-        _plan.COLS_APPLY_CTAS_PER_SM = per_sm
-        replan()
-        report(f"GN32 cl forward, apply {per_sm} CTAs/SM", time_ms(gn), 2 * gbg)
-    _plan.COLS_APPLY_CTAS_PER_SM = default
-    replan()
+    over_apply_grids("GN32 cl forward", gn, 2 * gbg)
     compiled = torch.compile(gn_torch)
     compiled()
     report("GN32 cl forward, torch.compile", time_ms(compiled), 2 * gbg)
