@@ -92,7 +92,7 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
 
 // ------------------------------------------------------------------------------------------------
 // Columns passes deal each sample's rows to its CTAs in blocks, interleaved: CTA j of ctas_per_n
-// takes blocks j, j + ctas_per_n, ... (any grid size, no empty CTA, one partial last block).
+// takes blocks j, j + ctas_per_n, ... (any grid size; only the sample's last block may be partial).
 
 // partial statistics, columns layout. Block (TX, TY): thread x owns channels [cp*V, cp*V + V) of a
 // channel tile, thread y the rows ty, ty + TY, ... of each block of COLS_STATS_ROWS * TY rows; the
