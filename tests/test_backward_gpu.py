@@ -64,6 +64,8 @@ GN_CASES = [
     ((2, 12, 75, 77), 3, "contiguous"),
     ((2, 9, 31, 1), 3, "contiguous"),
     ((4, 320, 16, 16), 32, "contiguous"),
+    # columns passes with several CTAs per sample and a partial last block of rows
+    ((2, 64, 67, 61), 8, "channels_last"),
 ]
 
 
@@ -106,6 +108,7 @@ def test_group_norm_backward_without_affine_and_partial_needs():
 BN_CASES = [
     ((4, 6, 5, 7), "contiguous"),
     ((4, 6, 5, 7), "channels_last"),
+    ((3, 64, 41, 37), "channels_last"),  # several CTAs over the rows, a partial last block
     ((16, 5), "contiguous"),  # BatchNorm1d on (N, C)
     ((3, 6, 7), "contiguous"),
     ((2, 6, 3, 5, 7), "channels_last"),

@@ -107,7 +107,9 @@ def test_group_norm_matches_reference(dtype, shape_id, groups_of, has_affine):
 @pytest.mark.parametrize("memory_format", ["channels_last", "strided"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(
-    "shape", [(3, 6, 5, 7), (2, 12, 9, 4, 3), (4, 320, 8, 8)], ids=["2d", "3d", "sd"]
+    "shape",
+    [(3, 6, 5, 7), (2, 12, 9, 4, 3), (4, 320, 8, 8), (2, 64, 67, 61)],
+    ids=["2d", "3d", "sd", "multi-cta"],  # multi-cta: columns rows over several CTAs, partial block
 )
 def test_group_norm_layouts(memory_format, dtype, shape):
     x = rand(shape, dtype, memory_format=memory_format)
