@@ -1,7 +1,8 @@
 """The kernels of the small seed workloads (development tool): the on-chip segment kernels under
 forced team sizes (GroupNorm(32) fp16 16x320x64x64 forward and backward, the fused row epilogue
 1024x8192 fp32; a team splits each segment over more CTAs: more loads in flight, one exchange per
-segment), then the channels_last passes of BatchNorm fp16 256x64x112x112 under several grids.
+segment), and InstanceNorm fp32 32x64x256x256 forward and backward by team slice size. The
+channels_last passes: scripts/profile_cols.py.
 Usage: python scripts/profile_segments.py
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from profile_passes import registers, replan, report  # noqa: E402
+from profile_passes import replan, report  # noqa: E402
 from quick_timing import time_ms  # noqa: E402
 
 from cupynorm import _ops, _plan  # noqa: E402
@@ -46,34 +47,25 @@ def main() -> None:
     ms = time_ms(lambda: _ops.group_norm_bwd(dy, xg, mean, rstd, w, 32, (True, True, True)))
     report("GN32 fp16 bwd (sums + finalize + dx)", ms, 5 * xg.numel() * 2 / 1e9)
 
-    xc = torch.randn(256, 64, 112, 112, device="cuda", dtype=torch.float16)
-    xc = xc.to(memory_format=torch.channels_last)
-    yc = torch.empty_like(xc)
-    call = _ops._Call(xc)
-    gb = xc.numel() * 2 / 1e9
-    rows = 256 * 112 * 112
-    mean, rstd = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
-    t_stats = time_ms(lambda: _ops._stats_cols(call, xc, 1, rows, 64, 0, 0, 1))
-    report("BN fp16 cl stats_cols (one wave of resident CTAs)", t_stats, gb)
-    for ctas_per_sm in (8, 16, 32, 64):
-        _plan.COLS_APPLY_CTAS_PER_SM = ctas_per_sm
+    # InstanceNorm fp32 32x64x256x256 (256 KiB planes), forward and on-chip backward, by team size
+    x = torch.randn(32, 64, 256, 256, device="cuda")
+    wi, bi = torch.rand(64, device="cuda") + 0.5, torch.rand(64, device="cuda")
+    dyi = torch.randn_like(x)
+    gb_i = x.numel() * 4 / 1e9
+    ref_i = torch.nn.functional.instance_norm(x, weight=wi, bias=bi)
+    for target in (32, 48, 64, 96, 128):
+        _plan.TEAM_SLICE_TARGET_BYTES = target * 1024
         replan()
-        t_apply = time_ms(
-            lambda: _ops._apply(
-                call, xc, yc, None, None, mean, rstd, "channels_last", 256, 64, 112 * 112, 0, 1
-            )
-        )
-        report(f"BN fp16 cl apply_cols ctas/SM={ctas_per_sm}", t_apply, 2 * gb)
-    _plan.COLS_APPLY_CTAS_PER_SM = 32
+        y, m, r = _ops.group_norm_fwd(x, 64, wi, bi, 1e-5)
+        err = (y - ref_i).abs().max().item()
+        fwd = _plan.plan_segment(65536, 4, True, _plan.device_info(0))
+        bwd = _plan.plan_segment(65536, 4, True, _plan.device_info(0), tensors=2)
+        ms = time_ms(lambda: _ops.group_norm_fwd(x, 64, wi, bi, 1e-5))
+        report(f"IN fwd {target} KiB slices team={fwd.team} err={err:.1e}", ms, 2 * gb_i)
+        ms = time_ms(lambda m=m, r=r: _ops.group_norm_bwd(dyi, x, m, r, wi, 64, (True, True, True)))
+        report(f"IN bwd {target} KiB slices team={bwd.team}", ms, 3 * gb_i)
+    _plan.TEAM_SLICE_TARGET_BYTES = 64 * 1024
     replan()
-    rm, rv = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
-    ms = time_ms(lambda: _ops.batch_norm_fwd(xc, None, None, rm, rv, True, 0.1, 1e-5))
-    report("BN fp16 cl forward (training)", ms, 2 * gb)
-    xgc = xg.to(memory_format=torch.channels_last)
-    ms = time_ms(lambda: _ops.group_norm_fwd(xgc, 32, w, b, 1e-5))
-    report("GN32 fp16 cl forward", ms, gb_g)
-    for kernel in ("strided_norm_stats_cols", "strided_norm_apply_cols"):
-        print(f"  {kernel} fp16: {registers('strided_norm.cu', kernel, 'float16')} registers")
 
 
 if __name__ == "__main__":
