@@ -9,8 +9,17 @@ Drop-in ``torch.nn`` modules that train live in :mod:`cupynorm.torch`. Importing
 neither CuPy nor torch; kernels compile on first use, per device and element type.
 """
 
+from .errors import InvalidInputError, InvalidTypeError
 from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+__all__ = [
+    "InvalidInputError",
+    "InvalidTypeError",
+    "__version__",
+    "batch_norm",
+    "group_norm",
+    "instance_norm",
+    "row_norm_add_mul",
+]

@@ -1,4 +1,8 @@
-"""Argument checks of the public API: a ValueError or TypeError that says expected vs got.
+"""Argument checks of the public API: an error that says expected vs got.
+
+Bad values and shapes raise :class:`~cupynorm.errors.InvalidInputError` (a ValueError and a
+RuntimeError), bad types and dtypes :class:`~cupynorm.errors.InvalidTypeError` (a TypeError and a
+RuntimeError), so CuPy-style and torch-style ``except`` clauses both catch them.
 
 The checks read only shapes, dtypes and devices (no device work, no synchronization) and work on
 CuPy arrays and torch tensors alike.
@@ -9,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._interop import DTYPE_NAMES, is_torch_tensor
+from .errors import InvalidInputError, InvalidTypeError
 
 _SUPPORTED = "float32, float64, float16 or bfloat16"
 
@@ -43,22 +48,22 @@ def check_array(x: Any, what: str = "input") -> None:
     """x is a CUDA array of a supported floating dtype."""
     kind = _kind(x)
     if kind == "numpy":
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} is a numpy.ndarray in host memory; cupynorm runs on the GPU: pass a CuPy "
             "array (cupy.asarray(a)) or a CUDA torch tensor"
         )
     if kind == "other":
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must be a CuPy array, a torch CUDA tensor or an object with __dlpack__, "
             f"got {type(x).__name__}"
         )
     if kind == "torch" and x.device.type != "cuda":
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} is a torch tensor on {x.device}; cupynorm's functional API needs CUDA tensors "
             "(the cupynorm.torch modules fall back to torch.nn.functional on the CPU)"
         )
     if _dtype_name(x) not in DTYPE_NAMES:
-        raise TypeError(f"{what} must have dtype {_SUPPORTED}, got {_dtype_name(x)}")
+        raise InvalidTypeError(f"{what} must have dtype {_SUPPORTED}, got {_dtype_name(x)}")
 
 
 def check_param(p: Any, x: Any, what: str, num_channels: int, *, any_float: bool = False) -> None:
@@ -66,24 +71,24 @@ def check_param(p: Any, x: Any, what: str, num_channels: int, *, any_float: bool
     if p is None:
         return
     if _kind(p) != _kind(x):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must be the same kind of array as the input ({type(x).__name__}), "
             f"got {type(p).__name__}"
         )
     if _device(p) != _device(x):
-        raise ValueError(
+        raise InvalidInputError(
             f"{what} is on {_describe_device(_device(p))} but the input is on "
             f"{_describe_device(_device(x))}"
         )
     if _dtype_name(p) not in DTYPE_NAMES:
-        raise TypeError(f"{what} must have dtype {_SUPPORTED}, got {_dtype_name(p)}")
+        raise InvalidTypeError(f"{what} must have dtype {_SUPPORTED}, got {_dtype_name(p)}")
     if not any_float and _dtype_name(p) != _dtype_name(x) and _dtype_name(p) != "float32":
-        raise TypeError(
+        raise InvalidTypeError(
             f"{what} must have the input's dtype ({_dtype_name(x)}) or float32, "
             f"got {_dtype_name(p)}"
         )
     if tuple(p.shape) != (num_channels,):
-        raise ValueError(
+        raise InvalidInputError(
             f"expected {what} of shape ({num_channels},) (one value per channel of an input of "
             f"shape {tuple(x.shape)}), got shape {tuple(p.shape)}"
         )
@@ -93,7 +98,7 @@ def _check_affine(x: Any, weight: Any, bias: Any, num_channels: int) -> None:
     check_param(weight, x, "weight", num_channels)
     check_param(bias, x, "bias", num_channels)
     if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
-        raise TypeError(
+        raise InvalidTypeError(
             f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
             f"{_dtype_name(bias)}"
         )
@@ -101,7 +106,7 @@ def _check_affine(x: Any, weight: Any, bias: Any, num_channels: int) -> None:
 
 def _check_ndim(x: Any, least: int) -> None:
     if x.ndim < least:
-        raise ValueError(
+        raise InvalidInputError(
             f"expected an input of shape (N, C, *spatial) with at least {least} dimensions, "
             f"got shape {tuple(x.shape)}"
         )
@@ -109,19 +114,19 @@ def _check_ndim(x: Any, least: int) -> None:
 
 def _check_number(value: Any, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+        raise InvalidTypeError(f"{what} must be a number, got {type(value).__name__}")
 
 
 def check_group_norm(x: Any, num_groups: Any, weight: Any, bias: Any, eps: Any) -> None:
     check_array(x)
     _check_ndim(x, 2)
     if isinstance(num_groups, bool) or not isinstance(num_groups, int):
-        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+        raise InvalidTypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups <= 0:
-        raise ValueError(f"num_groups must be positive, got {num_groups}")
+        raise InvalidInputError(f"num_groups must be positive, got {num_groups}")
     C = x.shape[1]
     if C % num_groups != 0:
-        raise ValueError(
+        raise InvalidInputError(
             "expected the number of channels in the input to be divisible by num_groups, got "
             f"input of shape {tuple(x.shape)} and num_groups={num_groups}"
         )
@@ -152,9 +157,9 @@ def check_instance_norm(
     _check_affine(x, weight, bias, C)
     check_running(x, running_mean, running_var, C)
     if not use_input_stats and (running_mean is None or running_var is None):
-        raise ValueError("use_input_stats=False needs running_mean and running_var")
+        raise InvalidInputError("use_input_stats=False needs running_mean and running_var")
     if use_input_stats and _spatial_size(x) == 1:
-        raise ValueError(
+        raise InvalidInputError(
             "expected more than 1 spatial element when training, got input of shape "
             f"{tuple(x.shape)}"
         )
@@ -165,7 +170,7 @@ def check_instance_norm(
 def check_running(x: Any, running_mean: Any, running_var: Any, num_channels: int) -> None:
     for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
         if stat is not None and _kind(stat) not in ("torch", "cupy"):
-            raise TypeError(
+            raise InvalidTypeError(
                 f"{name} must be a CuPy array or a torch tensor (it is updated in place), "
                 f"got {type(stat).__name__}"
             )
@@ -188,11 +193,13 @@ def check_batch_norm(
     _check_affine(x, weight, bias, C)
     check_running(x, running_mean, running_var, C)
     if (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var must be given together or both be None")
+        raise InvalidInputError(
+            "running_mean and running_var must be given together or both be None"
+        )
     if not training and running_mean is None:
-        raise ValueError("running_mean and running_var are required when training=False")
+        raise InvalidInputError("running_mean and running_var are required when training=False")
     if training and x.shape[0] * _spatial_size(x) == 1:
-        raise ValueError(
+        raise InvalidInputError(
             f"expected more than 1 value per channel when training, got input of shape "
             f"{tuple(x.shape)}"
         )
@@ -204,21 +211,21 @@ def check_row_norm_add_mul(x: Any, y: Any, eps: Any) -> None:
     check_array(x, "x")
     check_array(y, "y")
     if _kind(x) != _kind(y):
-        raise TypeError(
+        raise InvalidTypeError(
             f"x and y must be the same kind of array, got {type(x).__name__} and {type(y).__name__}"
         )
     if _device(x) != _device(y):
-        raise ValueError(
+        raise InvalidInputError(
             f"x is on {_describe_device(_device(x))} but y is on {_describe_device(_device(y))}"
         )
     if x.ndim < 1:
-        raise ValueError("x must have at least one dimension (the features of a row)")
+        raise InvalidInputError("x must have at least one dimension (the features of a row)")
     if tuple(x.shape) != tuple(y.shape):
-        raise ValueError(
+        raise InvalidInputError(
             f"x and y must have the same shape, got {tuple(x.shape)} and {tuple(y.shape)}"
         )
     if _dtype_name(x) != _dtype_name(y):
-        raise TypeError(
+        raise InvalidTypeError(
             f"x and y must have the same dtype, got {_dtype_name(x)} and {_dtype_name(y)}"
         )
     _check_number(eps, "eps")

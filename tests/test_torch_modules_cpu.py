@@ -26,6 +26,7 @@ from small_cnn import SmallCNN
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import cupynorm
 import cupynorm.torch as cnt
 from cupynorm.torch import _ops
 
@@ -52,16 +53,26 @@ SHAPES = {
 }
 
 
+def _takes_bias(torch_cls: type) -> bool:
+    """Whether the installed torch's class has the ``bias`` argument (newer torch only)."""
+    return "bias" in inspect.signature(torch_cls).parameters
+
+
 def _configs(torch_cls: type) -> list[dict]:
-    """Constructor kwargs covering affine/bias/track_running_stats/momentum."""
+    """Constructor kwargs covering affine/bias/track_running_stats/momentum (bias=False only
+    where the installed torch has it)."""
     if torch_cls is nn.GroupNorm:
-        return [dict(affine=True), dict(affine=False), dict(affine=True, bias=False)]
-    return [
-        dict(affine=a, track_running_stats=t, momentum=m)
-        for a in (True, False)
-        for t in (True, False)
-        for m in (0.1, None)
-    ] + [dict(affine=True, bias=False, track_running_stats=True)]
+        configs = [dict(affine=True), dict(affine=False)]
+        no_bias = dict(affine=True, bias=False)
+    else:
+        configs = [
+            dict(affine=a, track_running_stats=t, momentum=m)
+            for a in (True, False)
+            for t in (True, False)
+            for m in (0.1, None)
+        ]
+        no_bias = dict(affine=True, bias=False, track_running_stats=True)
+    return configs + ([no_bias] if _takes_bias(torch_cls) else [])
 
 
 def _make(cls: type, torch_cls: type, **kwargs) -> nn.Module:
@@ -827,23 +838,92 @@ def test_instance_norm_num_features_mismatch_like_torch(use_kernels, monkeypatch
     torch.testing.assert_close(y, yr)
 
 
-def test_batch_norm_training_errors_equal_torch(kernels):
-    m, r = cnt.BatchNorm1d(3), nn.BatchNorm1d(3)
-    x = torch.randn(1, 3)
-    assert _error(m, x) == _error(r, x)
-    x = torch.randn(2, 3, 4)
-    assert _error(cnt.batch_norm, x, None, None, training=True, eps=0.0) == _error(
-        F.batch_norm, x, None, None, training=True, eps=0.0
-    )
-    assert _error(cnt.instance_norm, torch.randn(2, 3, 1)) == _error(
-        F.instance_norm, torch.randn(2, 3, 1)
-    )
-    assert _error(cnt.group_norm, torch.randn(1, 3, 1), 3) == _error(
-        F.group_norm, torch.randn(1, 3, 1), 3
-    )
-    assert _error(cnt.instance_norm, x, torch.zeros(3), None) == _error(
-        F.instance_norm, x, torch.zeros(3), None
-    )
+def _raised(fn, *args, **kwargs) -> BaseException:
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+def _cases_like_torch():
+    """(id, cupynorm call, torch call): bad arguments that the installed torch rejects."""
+    x3, x4 = torch.randn(2, 4, 3), torch.randn(2, 4)
+    z4, o4, z3, o3 = torch.zeros(4), torch.ones(4), torch.zeros(3), torch.ones(3)
+    funcs = [
+        ("gn_1d_input", "group_norm", (torch.randn(4), 2), {}),
+        ("gn_not_divisible", "group_norm", (x3, 3), {}),
+        ("gn_weight_size", "group_norm", (x3, 2, o3), {}),
+        ("gn_bias_shape", "group_norm", (x3, 2, None, torch.ones(4, 1)), {}),
+        ("gn_one_value_per_group", "group_norm", (torch.randn(1, 3, 1), 3), {}),
+        ("bn_eval_without_stats", "batch_norm", (x3, None, None), {}),
+        ("bn_running_mean_size", "batch_norm", (x3, z3, o3), dict(training=True)),
+        ("bn_running_var_size", "batch_norm", (x3, z4, o3), dict(training=True)),
+        ("bn_weight_size", "batch_norm", (x3, z4, o4, o3), dict(training=True)),
+        ("bn_bias_size", "batch_norm", (x3, z4, o4, o4, o3), dict(training=True)),
+        ("bn_eps_zero_training", "batch_norm", (x3, None, None), dict(training=True, eps=0.0)),
+        ("bn_eps_negative_eval", "batch_norm", (x4, z4, o4), dict(eps=-1.0)),
+        (
+            "bn_one_value_per_channel",
+            "batch_norm",
+            (torch.randn(1, 3), None, None),
+            dict(training=True),
+        ),
+        ("in_no_stats_for_eval", "instance_norm", (x3,), dict(use_input_stats=False)),
+        ("in_weight_size", "instance_norm", (x3,), dict(weight=o3)),
+        ("in_running_mean_size", "instance_norm", (x3, z3, o3), {}),
+        ("in_one_spatial_element", "instance_norm", (torch.randn(2, 3, 1),), {}),
+    ]
+    for case_id, name, args, kwargs in funcs:
+        yield pytest.param(
+            lambda n=name, a=args, k=kwargs: getattr(cnt, n)(*a, **k),
+            lambda n=name, a=args, k=kwargs: getattr(F, n)(*a, **k),
+            id=case_id,
+        )
+    modules = [
+        ("BatchNorm1d_one_value", nn.BatchNorm1d, (3,), torch.randn(1, 3)),
+        ("BatchNorm2d_channels", nn.BatchNorm2d, (3,), torch.randn(2, 4, 5, 5)),
+        ("GroupNorm_1d_input", nn.GroupNorm, (2, 4), torch.randn(4)),
+        ("GroupNorm_channels", nn.GroupNorm, (3, 6), x3),
+        ("GroupNorm_not_divisible", nn.GroupNorm, (3, 3), x3),
+        ("InstanceNorm1d_one_element", nn.InstanceNorm1d, (4,), torch.randn(2, 4, 1)),
+    ]
+    for case_id, cls, args, x in modules:
+        ours = getattr(cnt, cls.__name__)
+        yield pytest.param(
+            lambda o=ours, a=args, x=x: o(*a)(x),
+            lambda c=cls, a=args, x=x: c(*a)(x),
+            id=case_id,
+        )
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["cpu", "kernel_route"])
+@pytest.mark.parametrize("ours, theirs", list(_cases_like_torch()))
+def test_errors_are_torchs(use_kernels, ours, theirs, monkeypatch):
+    """The installed torch's exception (a subclass of its type) and its message, word for word."""
+    if use_kernels:
+        monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+    expected = _raised(theirs)
+    error = _raised(ours)
+    assert isinstance(error, type(expected)), (type(error), type(expected), str(expected))
+    assert str(error) == str(expected)
+
+
+def test_kernel_route_errors_catchable_both_ways(kernels):
+    """Value errors are ValueError and RuntimeError at once (CuPy-style and torch-style code)."""
+    x, mean, var = torch.randn(2, 4, 3), torch.zeros(3), torch.ones(3)
+    error = _raised(cnt.batch_norm, x, mean, var, training=True)
+    assert isinstance(error, cupynorm.InvalidInputError)
+    assert isinstance(error, ValueError) and isinstance(error, RuntimeError)
+
+
+def test_batch_norm_eval_eps_zero_as_torch(kernels):
+    """eps=0 in eval: torch's rule decides (it changed between versions); accepted like torch."""
+    x, mean, var = torch.randn(2, 4, 3), torch.zeros(4), torch.ones(4)
+    try:
+        expected = F.batch_norm(x, mean, var, eps=0.0)
+    except (ValueError, RuntimeError) as torch_error:
+        assert str(_raised(cnt.batch_norm, x, mean, var, eps=0.0)) == str(torch_error)
+    else:
+        torch.testing.assert_close(cnt.batch_norm(x, mean, var, eps=0.0), expected)
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["cpu", "kernel_route"])
@@ -851,63 +931,9 @@ def test_batch_norm_training_errors_equal_torch(kernels):
     "call, exc, message",
     [
         (
-            lambda: cnt.group_norm(torch.randn(4), 2),
-            ValueError,
-            "Expected at least 2 dimensions for input tensor but received 1",
-        ),
-        (
-            lambda: cnt.group_norm(torch.randn(2, 4, 3), 3),
-            ValueError,
-            "divisible by num_groups, but got input of shape [2, 4, 3] and num_groups=3",
-        ),
-        (lambda: cnt.group_norm(torch.randn(2, 4, 3), 0), ValueError, "num_groups=0"),
-        (
-            lambda: cnt.group_norm(torch.randn(2, 4, 3), 2, torch.ones(3)),
-            ValueError,
-            "group_norm: expected weight of shape (4,) (the number of channels of the input), "
-            "got weight of shape (3,)",
-        ),
-        (
-            lambda: cnt.group_norm(torch.randn(2, 4, 3), 2, None, torch.ones(4, 1)),
-            ValueError,
-            "got bias of shape (4, 1)",
-        ),
-        (
             lambda: cnt.group_norm([1.0], 2),
             TypeError,
             "group_norm: expected input to be a torch.Tensor, got list",
-        ),
-        (
-            lambda: cnt.batch_norm(torch.randn(2, 4, 3), None, None),
-            ValueError,
-            "running_mean must be defined in evaluation mode",
-        ),
-        (
-            lambda: cnt.batch_norm(
-                torch.randn(2, 4, 3), torch.zeros(3), torch.ones(3), training=True
-            ),
-            ValueError,
-            "batch_norm: expected running_mean of shape (4,)",
-        ),
-        (
-            lambda: cnt.batch_norm(torch.randn(4), None, None, training=True),
-            ValueError,
-            "batch_norm: expected input of shape (N, C, *), got 1D input",
-        ),
-        (
-            lambda: cnt.batch_norm(torch.randn(2, 4), torch.zeros(4), torch.ones(4), eps=-1.0),
-            ValueError,
-            "batch_norm eps must be non-negative, but got -1.0",
-        ),
-        (
-            lambda: cnt.instance_norm(torch.randn(2, 4, 3), use_input_stats=False),
-            ValueError,
-            "Expected running_mean and running_var to be defined when use_input_stats is false",
-        ),
-        (
-            lambda: cnt.instance_norm(torch.randn(2, 4, 3), weight=torch.ones(3)),
-            ValueError,
-            "instance_norm: expected weight of shape (4,)",
         ),
         (
             lambda: cnt.row_norm_add_mul(torch.randn(2, 3), torch.randn(3, 2)),
@@ -927,9 +953,31 @@ def test_batch_norm_training_errors_equal_torch(kernels):
     ],
 )
 def test_functional_error_messages(use_kernels, call, exc, message, monkeypatch):
+    """Errors of arguments torch has no counterpart for: cupynorm's own, expected vs got."""
     if use_kernels:
         monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
     with pytest.raises(exc) as info:
+        call()
+    assert message in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: cnt.batch_norm(torch.randn(4), None, None, training=True),
+            "batch_norm: expected input of shape (N, C, *), got 1D input",
+        ),
+        (
+            lambda: cnt.instance_norm(torch.randn(2, 4, 3), torch.zeros(4), None),
+            "running_mean and running_var",
+        ),
+    ],
+)
+def test_kernel_route_own_errors_where_torch_checks_on_device(kernels, call, message):
+    """Checks torch makes only in its device kernels (none on meta): cupynorm's message."""
+    with pytest.raises(cupynorm.InvalidInputError) as info:
         call()
     assert message in str(info.value)
 
@@ -938,14 +986,15 @@ def test_kernel_route_rejects_integer_input(kernels):
     with pytest.raises(
         TypeError,
         match="expected input of dtype float16, bfloat16, float32 or float64, got torch.int32",
-    ):
+    ) as info:
         cnt.group_norm(torch.ones(2, 4, 3, dtype=torch.int32), 2)
+    assert isinstance(info.value, RuntimeError)  # torch raises a RuntimeError here
 
 
 def test_kernel_route_rejects_mixed_devices(kernels):
     x = torch.randn(2, 4, 3)
     with pytest.raises(
-        ValueError, match="expected all tensors on the input's device cpu, got one on meta"
+        RuntimeError, match="expected all tensors to be on the same device as the input"
     ):
         cnt.batch_norm(x, torch.zeros(4, device="meta"), torch.ones(4), training=True)
 
@@ -979,3 +1028,16 @@ def test_public_names():
         "RowNormAddMul",
         "GroupNorm",
     }
+
+
+@pytest.mark.parametrize("ours, theirs", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("kwargs", [dict(bias=False), dict(elementwise_affine=False)], ids=str)
+def test_modules_accept_what_torch_accepts(ours, theirs, kwargs):
+    """A constructor argument the installed torch refuses is refused alike (same error)."""
+    args = (3, 6) if theirs is nn.GroupNorm else (6,)
+    try:
+        theirs(*args, **kwargs)
+    except TypeError as expected:
+        assert str(_raised(ours, *args, **kwargs)) == str(expected)
+    else:
+        assert type(ours(*args, **kwargs)) is ours

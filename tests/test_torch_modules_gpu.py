@@ -641,3 +641,32 @@ def test_float64_modules():
         mod.load_state_dict(ref.state_dict())
         xs = _inputs(shapes[-1], torch.float64)
         _compare_runs(_steps(mod, xs, True), _steps(ref, xs, True), torch.float64, ours.__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# errors on CUDA tensors: the installed torch's exception type and message
+# ---------------------------------------------------------------------------------------------
+def _raised(call) -> BaseException:
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda m: m.BatchNorm2d(3), (2, 4, 5, 5)),  # running_mean should contain 4 elements
+        (lambda m: m.GroupNorm(2, 4), (4,)),  # a 1-D input
+        (lambda m: m.GroupNorm(3, 3), (2, 4, 5)),  # channels not divisible by num_groups
+        (lambda m: m.GroupNorm(2, 6), (2, 4, 5)),  # weight of the wrong size
+        (lambda m: m.BatchNorm1d(3), (1, 3)),  # one value per channel in training
+        (lambda m: m.InstanceNorm1d(4), (2, 4, 1)),  # one spatial element
+    ],
+    ids=["bn_channels", "gn_1d", "gn_divisible", "gn_weight", "bn_one_value", "in_one_element"],
+)
+def test_module_errors_are_torchs_on_cuda(make, shape):
+    x = torch.randn(shape, device=DEVICE)
+    expected = _raised(lambda: make(nn).to(DEVICE)(x))
+    error = _raised(lambda: make(cnt).to(DEVICE)(x))
+    assert isinstance(error, type(expected)), (type(error), type(expected))
+    assert str(error) == str(expected)

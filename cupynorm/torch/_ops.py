@@ -61,10 +61,10 @@ Layers, bottom to top (each calls only the one below it):
            print(f"{stmt:60s} {t.median * 1e6:7.1f} us")
 
 4. **Functional API** (:func:`group_norm`, :func:`instance_norm`, :func:`batch_norm`,
-   :func:`row_norm_add_mul`): ``torch.nn.functional`` semantics and argument names; validates the
-   input (``ValueError``/``TypeError``, messages worded like torch's); CUDA tensors run on
-   cupynorm's kernels, any other device through :mod:`torch.nn.functional`, so a converted model
-   still runs on the CPU.
+   :func:`row_norm_add_mul`): ``torch.nn.functional`` semantics and argument names; CUDA tensors
+   run on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for
+   them), any other device through :mod:`torch.nn.functional`, so a converted model still runs on
+   the CPU.
 
 Not supported: double backward (the backward is a kernel without a derivative) and functorch
 transforms (``torch.func.grad``/``vmap``: ops registered through ``torch.library`` with
@@ -81,9 +81,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+from . import _checks
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,7 +836,7 @@ def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# validation (the host code validates nothing)
+# routing (the host code validates nothing: _checks does, on the kernel route)
 # ---------------------------------------------------------------------------------------------
 def _use_kernels(x: Tensor) -> bool:
     """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional).
@@ -844,43 +844,6 @@ def _use_kernels(x: Tensor) -> bool:
     CUDA tensors only; CPU tests patch this to run the whole stack on the reference kernels.
     """
     return x.is_cuda
-
-
-def _check_tensor(fn: str, input) -> None:
-    if not isinstance(input, Tensor):
-        raise TypeError(f"{fn}: expected input to be a torch.Tensor, got {type(input).__name__}")
-
-
-def _check_vector(fn: str, name: str, t: Tensor | None, c: int) -> None:
-    if t is not None and (t.dim() != 1 or t.shape[0] != c):
-        raise ValueError(
-            f"{fn}: expected {name} of shape ({c},) (the number of channels of the input), "
-            f"got {name} of shape {tuple(t.shape)}"
-        )
-
-
-def _check_cuda(fn: str, input: Tensor, *others: Tensor | None) -> None:
-    """What cupynorm's kernels need beyond torch's own checks: dtype and one device."""
-    if input.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{fn}: expected input of dtype float16, bfloat16, float32 or float64, "
-            f"got {input.dtype}"
-        )
-    device = input.device
-    for t in others:
-        if t is not None and t.device != device:
-            raise ValueError(
-                f"{fn}: expected all tensors on the input's device {device}, got one on {t.device}"
-            )
-
-
-def _check_batch_size(input: Tensor) -> None:
-    """torch's check: training needs more than one value per channel (N * prod(spatial) > 1)."""
-    c = input.shape[1]
-    if c != 0 and input.numel() == c:
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {input.size()}"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,26 +888,10 @@ def group_norm(
         >>> y = cupynorm.torch.group_norm(x, 3)
         >>> y.sum().backward()
     """
-    _check_tensor("group_norm", input)
-    ndim = input.dim()
-    if ndim < 2:
-        raise ValueError(f"Expected at least 2 dimensions for input tensor but received {ndim}")
-    c = input.shape[1]
-    if num_groups <= 0 or c % num_groups != 0:
-        raise ValueError(
-            "Expected number of channels in input to be divisible by num_groups, but got input "
-            f"of shape {list(input.shape)} and num_groups={num_groups}"
-        )
-    if input.numel() == num_groups:
-        size = [input.shape[0] * c // num_groups, num_groups, *input.shape[2:]]
-        raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {size}"
-        )
-    _check_vector("group_norm", "weight", weight, c)
-    _check_vector("group_norm", "bias", bias, c)
+    _checks.check_tensor("group_norm", "input", input)
     if not _use_kernels(input):
         return F.group_norm(input, num_groups, weight, bias, eps)
-    _check_cuda("group_norm", input, weight, bias)
+    _checks.check_group_norm(input, num_groups, weight, bias, eps)
     if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
         input = input.float()
         weight = None if weight is None else weight.float()
@@ -996,36 +943,15 @@ def instance_norm(
         >>> x = torch.randn(4, 3, 7, 9, device="cuda")
         >>> y = cupynorm.torch.instance_norm(x)
     """
-    _check_tensor("instance_norm", input)
-    ndim = input.dim()
-    if ndim < 2:
-        raise ValueError(f"instance_norm: expected input of shape (N, C, *), got {ndim}D input")
-    if use_input_stats:
-        spatial = 1
-        for s in input.shape[2:]:
-            spatial *= s
-        if spatial == 1:
-            raise ValueError(
-                f"Expected more than 1 spatial element when training, got input size {input.size()}"
-            )
-        if (running_mean is None) != (running_var is None):
-            raise ValueError(
-                "running_mean and running_var must either both be None or neither be None"
-            )
-    elif running_mean is None or running_var is None:
-        raise ValueError(
-            "Expected running_mean and running_var to be defined when use_input_stats is false"
-        )
-    c = input.shape[1]
-    _check_vector("instance_norm", "weight", weight, c)
-    _check_vector("instance_norm", "bias", bias, c)
-    _check_vector("instance_norm", "running_mean", running_mean, c)
-    _check_vector("instance_norm", "running_var", running_var, c)
+    _checks.check_tensor("instance_norm", "input", input)
     if not _use_kernels(input):
         return F.instance_norm(
             input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
         )
-    _check_cuda("instance_norm", input, weight, bias, running_mean, running_var)
+    _checks.check_instance_norm(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+    c = input.shape[1]
     if not use_input_stats:
         return _apply_batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps)
     if running_mean is None:
@@ -1077,29 +1003,12 @@ def batch_norm(
         >>> mean, var = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
         >>> y = cupynorm.torch.batch_norm(x, mean, var, training=True)
     """
-    _check_tensor("batch_norm", input)
-    ndim = input.dim()
-    if ndim < 2:
-        raise ValueError(f"batch_norm: expected input of shape (N, C, *), got {ndim}D input")
-    if training:
-        _check_batch_size(input)
-        if eps <= 0.0:
-            raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
-    else:
-        if eps < 0.0:
-            raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")
-        if running_mean is None:
-            raise ValueError("running_mean must be defined in evaluation mode")
-        if running_var is None:
-            raise ValueError("running_var must be defined in evaluation mode")
-    c = input.shape[1]
-    _check_vector("batch_norm", "weight", weight, c)
-    _check_vector("batch_norm", "bias", bias, c)
-    _check_vector("batch_norm", "running_mean", running_mean, c)
-    _check_vector("batch_norm", "running_var", running_var, c)
+    _checks.check_tensor("batch_norm", "input", input)
     if not _use_kernels(input):
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    _check_cuda("batch_norm", input, weight, bias, running_mean, running_var)
+    _checks.check_batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps
+    )
     return _apply_batch_norm(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )
@@ -1130,24 +1039,10 @@ def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
         >>> y = torch.randn(1024, 8192, device="cuda")
         >>> out = cupynorm.torch.row_norm_add_mul(x, y)
     """
-    _check_tensor("row_norm_add_mul", x)
-    if not isinstance(y, Tensor):
-        raise TypeError(
-            f"row_norm_add_mul: expected y to be a torch.Tensor, got {type(y).__name__}"
-        )
-    if x.dim() < 1:
-        raise ValueError("row_norm_add_mul: expected x of shape (*, D), got a 0-d tensor")
-    if x.shape != y.shape:
-        raise ValueError(
-            "row_norm_add_mul: expected x and y of the same shape, "
-            f"got {tuple(x.shape)} and {tuple(y.shape)}"
-        )
-    if x.dtype != y.dtype:
-        raise TypeError(
-            f"row_norm_add_mul: expected x and y of the same dtype, got {x.dtype} and {y.dtype}"
-        )
+    _checks.check_tensor("row_norm_add_mul", "x", x)
+    _checks.check_row_norm_add_mul(x, y, eps)
     if not _use_kernels(x):
         xhat = F.layer_norm(x, (x.shape[-1],), eps=eps)
         return (xhat + y) * y
-    _check_cuda("row_norm_add_mul", x, y)
+    _checks.check_kernel_inputs("row_norm_add_mul", x, y)
     return _apply_row_norm_add_mul(x, y, eps)

@@ -125,7 +125,8 @@ _BATCH_NORM_DOC = r"""Batch normalization over a {shapes} input on cupynorm's ke
         track_running_stats: keep ``running_mean``/``running_var``; without them batch
             statistics are used in eval too. Default: ``True``
         device, dtype: of the parameters and buffers.
-        bias: learn ``bias`` (with ``affine``). Default: ``True``
+        bias: learn ``bias`` (with ``affine``), where the installed torch's class takes this
+            argument. Default: ``True``
 
     Shape:
         - Input: {input_shape}
@@ -155,7 +156,8 @@ _INSTANCE_NORM_DOC = r"""Instance normalization over a {shapes} input on cupynor
         affine: learnable per-channel ``weight`` and ``bias``. Default: ``False``
         track_running_stats: keep and use running statistics. Default: ``False``
         device, dtype: of the parameters and buffers.
-        bias: learn ``bias`` (with ``affine``). Default: ``True``
+        bias: learn ``bias`` (with ``affine``), where the installed torch's class takes this
+            argument. Default: ``True``
 
     Shape:
         - Input: {input_shape}
@@ -237,7 +239,8 @@ class GroupNorm(torch.nn.GroupNorm):
         eps: added to the variance for numerical stability. Default: 1e-5
         affine: learnable per-channel ``weight`` (init 1) and ``bias`` (init 0). Default: ``True``
         device, dtype: of the parameters.
-        bias: learn ``bias`` (with ``affine``). Default: ``True``
+        bias: learn ``bias`` (with ``affine``), where the installed torch's class takes this
+            argument. Default: ``True``
 
     Shape:
         - Input: :math:`(N, C, *)`

@@ -1,0 +1,218 @@
+"""Argument checks of :mod:`cupynorm.torch` on the kernel route: torch's errors, word for word.
+
+A drop-in must fail like the module it replaces. On CUDA tensors a few Python comparisons decide
+whether the arguments can be bad (no device work, no synchronization: this runs on every call).
+Only when they can, the exception is taken from torch itself: its functional is called on meta
+copies of the tensors (shapes and dtypes only, no data), and whatever it raises is raised with
+torch's message -- the installed torch's wording, whichever version -- as
+:class:`~cupynorm.errors.InvalidInputError` (torch's ``ValueError``/``RuntimeError``: it is both) or
+:class:`~cupynorm.errors.InvalidTypeError` (``TypeError``). Other exception types are raised as
+torch raised them. When torch accepts the arguments on meta, the call goes on, unless cupynorm's
+kernels cannot take them (a parameter of the wrong length, another device, an integer dtype): then
+cupynorm's own message says so.
+
+Tensors on the CPU never come here: the functional API hands them to :mod:`torch.nn.functional`,
+which raises its own errors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cupynorm.errors import InvalidInputError, InvalidTypeError
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _to_meta(value: Any) -> Any:
+    return value.detach().to("meta") if isinstance(value, Tensor) else value
+
+
+def raise_like_torch(
+    torch_fn: Callable[..., Any], args: tuple, kwargs: dict | None = None, ours: str | None = None
+) -> None:
+    """Raise what ``torch_fn(*args, **kwargs)`` raises, found on meta copies of the tensors.
+
+    If torch accepts the arguments, raise :class:`InvalidInputError` with ``ours`` when given
+    (cupynorm's kernels cannot take them), else return (torch's checks were the only ones).
+    """
+    meta_args = tuple(_to_meta(a) for a in args)
+    meta_kwargs = {k: _to_meta(v) for k, v in (kwargs or {}).items()}
+    try:
+        torch_fn(*meta_args, **meta_kwargs)
+    except (ValueError, RuntimeError) as error:
+        if isinstance(error, NotImplementedError):
+            raise
+        raise InvalidInputError(str(error)) from None
+    except TypeError as error:
+        raise InvalidTypeError(str(error)) from None
+    if ours is not None:
+        raise InvalidInputError(ours)
+
+
+def check_tensor(fn: str, name: str, value: Any) -> None:
+    if not isinstance(value, Tensor):
+        raise InvalidTypeError(
+            f"{fn}: expected {name} to be a torch.Tensor, got {type(value).__name__}"
+        )
+
+
+def _vector_problem(fn: str, name: str, t: Tensor | None, c: int) -> str | None:
+    if t is None or (t.dim() == 1 and t.shape[0] == c):
+        return None
+    return (
+        f"{fn}: expected {name} of shape ({c},) (the number of channels of the input), "
+        f"got {name} of shape {tuple(t.shape)}"
+    )
+
+
+def _vectors_problem(fn: str, c: int, **vectors: Tensor | None) -> str | None:
+    for name, t in vectors.items():
+        problem = _vector_problem(fn, name, t, c)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_kernel_inputs(fn: str, input: Tensor, *others: Tensor | None) -> None:
+    """What cupynorm's kernels need beyond torch's own checks: a float dtype and one device."""
+    if input.dtype not in _FLOAT_DTYPES:
+        raise InvalidTypeError(
+            f"{fn}: expected input of dtype float16, bfloat16, float32 or float64, "
+            f"got {input.dtype}"
+        )
+    device = input.device
+    for t in others:
+        if t is not None and t.device != device:
+            raise InvalidInputError(
+                f"{fn}: expected all tensors to be on the same device as the input ({device}), "
+                f"but found one on {t.device}"
+            )
+
+
+def check_group_norm(
+    input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> None:
+    args = (input, num_groups, weight, bias, eps)
+    if input.dim() < 2:
+        raise_like_torch(
+            F.group_norm,
+            args,
+            ours=f"group_norm: expected input of shape (N, C, *), got {input.dim()}D input",
+        )
+    c = input.shape[1]
+    if num_groups <= 0 or c % num_groups != 0:
+        raise_like_torch(
+            F.group_norm,
+            args,
+            ours=f"group_norm: expected the number of channels ({c}) to be divisible by "
+            f"num_groups, got num_groups={num_groups}",
+        )
+    problem = _vectors_problem("group_norm", c, weight=weight, bias=bias)
+    if problem is not None or input.numel() == num_groups:
+        raise_like_torch(F.group_norm, args, ours=problem)
+    check_kernel_inputs("group_norm", input, weight, bias)
+
+
+def check_instance_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    use_input_stats: bool,
+    momentum: float,
+    eps: float,
+) -> None:
+    args = (input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+    if input.dim() < 2:
+        raise_like_torch(
+            F.instance_norm,
+            args,
+            ours=f"instance_norm: expected input of shape (N, C, *), got {input.dim()}D input",
+        )
+    c = input.shape[1]
+    if use_input_stats:
+        suspect = math.prod(input.shape[2:]) == 1 or (running_mean is None) != (running_var is None)
+    else:
+        suspect = running_mean is None or running_var is None
+    problem = _vectors_problem(
+        "instance_norm",
+        c,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+    )
+    if suspect or problem is not None:
+        if (running_mean is None) != (running_var is None):
+            problem = problem or (
+                "instance_norm: expected running_mean and running_var to be both None or both "
+                "tensors"
+            )
+        if not use_input_stats and running_mean is None:
+            problem = problem or (
+                "instance_norm: expected running_mean and running_var when use_input_stats=False"
+            )
+        raise_like_torch(F.instance_norm, args, ours=problem)
+    check_kernel_inputs("instance_norm", input, weight, bias, running_mean, running_var)
+
+
+def check_batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> None:
+    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if input.dim() < 2:
+        raise_like_torch(
+            F.batch_norm,
+            args,
+            ours=f"batch_norm: expected input of shape (N, C, *), got {input.dim()}D input",
+        )
+    c = input.shape[1]
+    problem = _vectors_problem(
+        "batch_norm",
+        c,
+        weight=weight,
+        bias=bias,
+        running_mean=running_mean,
+        running_var=running_var,
+    )
+    if (running_mean is None) != (running_var is None):
+        problem = problem or (
+            "batch_norm: expected running_mean and running_var to be both None or both tensors"
+        )
+    if not training and running_mean is None:
+        problem = problem or "batch_norm: expected running_mean and running_var in evaluation mode"
+    # eps <= 0: torch's own rule (it changed between versions), nothing the kernels need
+    suspect = eps <= 0.0 or (training and c != 0 and input.numel() == c)
+    if suspect or problem is not None:
+        raise_like_torch(F.batch_norm, args, ours=problem)
+    check_kernel_inputs("batch_norm", input, weight, bias, running_mean, running_var)
+
+
+def check_row_norm_add_mul(x: Tensor, y: Tensor, eps: float) -> None:
+    check_tensor("row_norm_add_mul", "y", y)
+    if x.dim() < 1:
+        raise InvalidInputError("row_norm_add_mul: expected x of shape (*, D), got a 0-d tensor")
+    if x.shape != y.shape:
+        raise InvalidInputError(
+            "row_norm_add_mul: expected x and y of the same shape, "
+            f"got {tuple(x.shape)} and {tuple(y.shape)}"
+        )
+    if x.dtype != y.dtype:
+        raise InvalidTypeError(
+            f"row_norm_add_mul: expected x and y of the same dtype, got {x.dtype} and {y.dtype}"
+        )
