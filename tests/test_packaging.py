@@ -134,10 +134,12 @@ def test_wheel_metadata(wheel: zipfile.ZipFile) -> None:
     meta = email.parser.Parser().parsestr(wheel.read(f"{dist_info}/METADATA").decode())
     assert meta["Name"] == "cupynorm"
     assert meta["Requires-Python"] == ">=3.10"
+    assert meta["License-Expression"] == "MIT"
+    assert f"{dist_info}/licenses/LICENSE" in wheel.namelist()
     extras = set(meta.get_all("Provides-Extra") or [])
     assert {"cuda12x", "cuda13x", "torch", "test"} <= extras, extras
     requires = " | ".join(meta.get_all("Requires-Dist") or [])
-    for req in ("numpy", "cupy-cuda12x>=14.2", "cupy-cuda13x>=14.2", "torch>=2.4"):
+    for req in ("numpy", "cupy-cuda12x>=14.2", "cupy-cuda13x>=14.2", "torch>=2.11"):
         assert req in requires, f"{req!r} not in Requires-Dist: {requires}"
     entry_points = wheel.read(f"{dist_info}/entry_points.txt").decode()
     assert "cupynorm = cupynorm.__main__:main" in entry_points, entry_points
@@ -146,7 +148,12 @@ def test_wheel_metadata(wheel: zipfile.ZipFile) -> None:
 def test_sdist_ships_sources(sdist: tarfile.TarFile) -> None:
     top = _sdist_prefix(sdist)
     names = set(sdist.getnames())
-    for required in ("pyproject.toml", "cupynorm/__init__.py", "cupynorm/torch/__init__.py"):
+    for required in (
+        "pyproject.toml",
+        "LICENSE",
+        "cupynorm/__init__.py",
+        "cupynorm/torch/__init__.py",
+    ):
         assert f"{top}/{required}" in names, f"{required} missing from the sdist"
     for rel, path in _walk(CUDA_SRC).items():
         member = f"{top}/cuda_src/{rel}"
