@@ -4,10 +4,11 @@ Layers, bottom to top (each calls only the one below it):
 
 1. **Kernels per device** -- ``_<op>_fwd_cuda`` / ``_<op>_bwd_cuda`` call the framework-neutral host
    code :mod:`cupynorm._ops` (imported lazily, so ``import cupynorm.torch`` works without CuPy);
-   ``_<op>_fwd_reference`` / ``_<op>_bwd_reference`` are the same math in plain torch on float32
-   (float64 for float64 input). The reference kernels back the ops on the CPU: CI uses them to check
-   the op plumbing (schemas, fake kernels, autograd, ``torch.compile``) without a GPU, and their
-   backward is the readable derivation of the gradients.
+   ``_<op>_fwd_reference`` / ``_<op>_bwd_reference`` (:mod:`._reference`, with the math) are the
+   same math in plain torch on float32 (float64 for float64 input). The reference kernels back the
+   ops on the CPU: CI uses them to check the op plumbing (schemas, fake kernels, autograd,
+   ``torch.compile``) without a GPU, and their backward is the readable derivation of the
+   gradients. Argument checks of the kernel route live in :mod:`._checks`.
 2. **Custom ops** in the ``cupynorm`` namespace (``torch.library``), with fake (meta) kernels and
    registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the graph::
 
@@ -82,6 +83,19 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks
+from ._reference import (
+    _batch_norm_bwd_reference,
+    _batch_norm_fwd_reference,
+    _group_norm_bwd_reference,
+    _group_norm_fwd_reference,
+    _instance_norm_fwd_reference,
+    _instance_norm_update,
+    _layout,
+    _param_dtype,
+    _row_norm_add_mul_bwd_reference,
+    _row_norm_add_mul_fwd_reference,
+    _stat_dtype,
+)
 
 __all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
 
@@ -89,29 +103,6 @@ __all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
 # ---------------------------------------------------------------------------------------------
 # dtypes and layouts
 # ---------------------------------------------------------------------------------------------
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Statistics and partial sums: float32, or float64 for float64 input."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _param_dtype(x: Tensor, weight: Tensor | None) -> torch.dtype:
-    """dtype of dweight and dbias: the weight's; without a weight, the statistics' (the fp32/fp64
-    accumulator; autograd casts dbias to the bias's dtype)."""
-    return _stat_dtype(x.dtype) if weight is None else weight.dtype
-
-
-def _layout(x: Tensor) -> torch.memory_format | None:
-    """The memory format the kernels take ``x`` in, or None when ``x`` must be copied first."""
-    if x.is_contiguous():
-        return torch.contiguous_format
-    ndim = x.dim()
-    if ndim == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if ndim == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return None
-
-
 def _dense(x: Tensor) -> tuple[Tensor, torch.memory_format]:
     """``x`` in a layout the kernels take (contiguous copy for other strides) and its format."""
     fmt = _layout(x)
@@ -136,19 +127,6 @@ def _empty_out(x: Tensor) -> Tensor:
     return torch.empty_like(x, memory_format=_layout(x) or torch.contiguous_format)
 
 
-def _channel_shape(x: Tensor) -> tuple[int, ...]:
-    """Shape that broadcasts a per-channel vector against ``x`` of shape (N, C, *spatial)."""
-    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
-
-
-def _affine(xhat: Tensor, weight: Tensor | None, bias: Tensor | None, shape) -> Tensor:
-    if weight is not None:
-        xhat = xhat * weight.reshape(shape)
-    if bias is not None:
-        xhat = xhat + bias.reshape(shape)
-    return xhat
-
-
 _host_module = None
 
 
@@ -162,17 +140,6 @@ def _host():
     return _host_module
 
 
-def _update_running(running: Tensor | None, batch_stat: Tensor, momentum: float) -> None:
-    """``running = (1 - momentum) * running + momentum * batch_stat``, in place."""
-    if running is not None:
-        running.mul_(1.0 - momentum).add_(batch_stat, alpha=momentum)
-
-
-def _unbias(count: int) -> float:
-    """Factor turning a biased variance over ``count`` values into the unbiased one."""
-    return count / (count - 1) if count > 1 else math.nan
-
-
 # ---------------------------------------------------------------------------------------------
 # group norm (instance norm is group norm with G = C)
 #   x viewed as (N, G, M) with M = C/G * prod(spatial); per (n, g):
@@ -182,59 +149,6 @@ def _unbias(count: int) -> float:
 #     dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
 #     dweight[c] = sum_{n, spatial} dy * xhat,  dbias[c] = sum_{n, spatial} dy
 # ---------------------------------------------------------------------------------------------
-def _group_norm_fwd_reference(
-    x: Tensor,
-    num_groups: int,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    want_var: bool = False,
-):
-    n, c = x.shape[0], x.shape[1]
-    group_size = (c // num_groups) * math.prod(x.shape[2:])
-    xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, group_size)
-    var, mean = torch.var_mean(xs, dim=-1, correction=0)
-    rstd = torch.rsqrt(var + eps)
-    xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
-    y = _affine(xhat, weight, bias, _channel_shape(x))
-    y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
-    return (y, mean, rstd, var) if want_var else (y, mean, rstd)
-
-
-def _group_norm_bwd_reference(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    num_groups: int,
-    output_mask: Sequence[bool],
-):
-    n, c = x.shape[0], x.shape[1]
-    shape4 = (n, num_groups, c // num_groups, math.prod(x.shape[2:]))
-    stat = _stat_dtype(x.dtype)
-    xs = x.to(stat).reshape(shape4)
-    dys = dy.to(stat).reshape(shape4)
-    mean4 = mean.reshape(n, num_groups, 1, 1)
-    rstd4 = rstd.reshape(n, num_groups, 1, 1)
-    xhat = (xs - mean4) * rstd4
-    dx = dweight = dbias = None
-    if output_mask[0]:
-        gx = dys if weight is None else dys * weight.to(stat).reshape(1, num_groups, -1, 1)
-        dx = rstd4 * (
-            gx
-            - gx.mean(dim=(2, 3), keepdim=True)
-            - xhat * (gx * xhat).mean(dim=(2, 3), keepdim=True)
-        )
-        fmt = _layout(x) or torch.contiguous_format
-        dx = dx.reshape(x.shape).to(dtype=x.dtype, memory_format=fmt)
-    if output_mask[1]:
-        dweight = (dys * xhat).sum(dim=(0, 3)).reshape(c).to(_param_dtype(x, weight))
-    if output_mask[2]:
-        dbias = dys.sum(dim=(0, 3)).reshape(c).to(_param_dtype(x, weight))
-    return dx, dweight, dbias
-
-
 def _group_norm_fwd_cuda(
     x: Tensor,
     num_groups: int,
@@ -318,17 +232,6 @@ def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
 #   running_mean = (1 - momentum) * running_mean + momentum * mean_n(mean[n, c])
 #   running_var  = (1 - momentum) * running_var  + momentum * mean_n(var[n, c]) * M / (M - 1)
 # ---------------------------------------------------------------------------------------------
-def _instance_norm_update(running_mean, running_var, mean, var, count, momentum):
-    _update_running(running_mean, mean.mean(dim=0), momentum)
-    _update_running(running_var, var.mean(dim=0) * _unbias(count), momentum)
-
-
-def _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, momentum, eps):
-    y, mean, rstd, var = _group_norm_fwd_reference(x, x.shape[1], weight, bias, eps, True)
-    _instance_norm_update(running_mean, running_var, mean, var, math.prod(x.shape[2:]), momentum)
-    return y, mean, rstd
-
-
 def _instance_norm_fwd_cuda(x, weight, bias, running_mean, running_var, momentum, eps):
     x, fmt = _dense(x)
     y, mean, rstd, var = _host().group_norm_fwd(
@@ -367,45 +270,6 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
-def _batch_norm_fwd_reference(x, weight, bias, running_mean, running_var, training, momentum, eps):
-    stat = _stat_dtype(x.dtype)
-    shape = _channel_shape(x)
-    xs = x.to(stat)
-    if training:
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(xs, dim=dims, correction=0)
-        _update_running(running_mean, mean, momentum)
-        _update_running(running_var, var * _unbias(x.numel() // max(x.shape[1], 1)), momentum)
-    else:
-        mean = running_mean.to(stat, copy=True)
-        var = running_var.to(stat)
-    rstd = torch.rsqrt(var + eps)
-    y = _affine((xs - mean.reshape(shape)) * rstd.reshape(shape), weight, bias, shape)
-    y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
-    return y, mean, rstd
-
-
-def _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask):
-    stat = _stat_dtype(x.dtype)
-    shape = _channel_shape(x)
-    dims = [0, *range(2, x.dim())]
-    dys = dy.to(stat)
-    xhat = (x.to(stat) - save_mean.reshape(shape)) * save_rstd.reshape(shape)
-    rstd = save_rstd.reshape(shape)
-    dx = dweight = dbias = None
-    if output_mask[0]:
-        gx = dys if weight is None else dys * weight.to(stat).reshape(shape)
-        if training:
-            gx = gx - gx.mean(dim=dims, keepdim=True)
-            gx = gx - xhat * (gx * xhat).mean(dim=dims, keepdim=True)
-        dx = (gx * rstd).to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
-    if output_mask[1]:
-        dweight = (dys * xhat).sum(dim=dims).to(_param_dtype(x, weight))
-    if output_mask[2]:
-        dbias = dys.sum(dim=dims).to(_param_dtype(x, weight))
-    return dx, dweight, dbias
-
-
 def _batch_norm_fwd_cuda(x, weight, bias, running_mean, running_var, training, momentum, eps):
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
@@ -477,28 +341,6 @@ def _batch_norm_fwd_fake(x, weight, bias, running_mean, running_var, training, m
 #   backward: gx = dout * y;  dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
 #             dy = dout * (xhat + 2 y)
 # ---------------------------------------------------------------------------------------------
-def _row_norm_add_mul_fwd_reference(x, y, eps):
-    stat = _stat_dtype(x.dtype)
-    xs, ys = x.to(stat), y.to(stat)
-    var, mean = torch.var_mean(xs, dim=-1, correction=0)
-    rstd = torch.rsqrt(var + eps)
-    xhat = (xs - mean[..., None]) * rstd[..., None]
-    out = ((xhat + ys) * ys).to(dtype=x.dtype, memory_format=torch.contiguous_format)
-    return out, mean, rstd
-
-
-def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
-    stat = _stat_dtype(x.dtype)
-    d, xs, ys = dout.to(stat), x.to(stat), y.to(stat)
-    xhat = (xs - mean[..., None]) * rstd[..., None]
-    gx = d * ys
-    dx = rstd[..., None] * (
-        gx - gx.mean(dim=-1, keepdim=True) - xhat * (gx * xhat).mean(dim=-1, keepdim=True)
-    )
-    dy = d * (xhat + 2.0 * ys)
-    return dx.to(x.dtype).contiguous(), dy.to(y.dtype).contiguous()
-
-
 def _row_norm_add_mul_fwd_cuda(x, y, eps):
     x, y = x.contiguous(), y.contiguous()
     out, mean, rstd = _host().row_norm_add_mul_fwd(x, y, eps)

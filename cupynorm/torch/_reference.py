@@ -1,0 +1,199 @@
+"""Plain-torch reference kernels of the cupynorm ops, and the dtype/layout rules all kernels follow.
+
+The same math as the CUDA kernels, written with torch operations on float32 (float64 for float64
+input): they back the custom ops on the CPU (CI checks the op plumbing -- schemas, fake kernels,
+autograd, ``torch.compile`` -- on them without a GPU), test helpers compare against them, and
+their backward is the readable derivation of the gradients. Nothing here imports CuPy.
+
+Notation, per statistic set (a group of a sample for group norm, a channel for batch norm, a row
+for the row norm) of M values:
+    mean = sum(x) / M,  var = sum((x - mean)^2) / M,  rstd = 1 / sqrt(var + eps)
+    xhat = (x - mean) * rstd,  y = xhat * weight[c] + bias[c]
+backward, with gx = dy * weight[c] and <.> the mean over the set:
+    dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
+    dweight[c] = sum dy * xhat,  dbias[c] = sum dy   (over every set channel c appears in)
+Instance norm is group norm with G = C; its running statistics, like torch's, get the mean over
+the batch of the per-instance mean and unbiased variance. Batch norm in eval normalizes with the
+running statistics (dx = dy * weight * rstd). The row norm + add + mul (seed 002) is
+out = (xhat + y) * y, so dx as above with gx = dout * y and dy = dout * (xhat + 2 y).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Statistics and partial sums: float32, or float64 for float64 input."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _param_dtype(x: Tensor, weight: Tensor | None) -> torch.dtype:
+    """dtype of dweight and dbias: the weight's; without a weight, the statistics' (the fp32/fp64
+    accumulator; autograd casts dbias to the bias's dtype)."""
+    return _stat_dtype(x.dtype) if weight is None else weight.dtype
+
+
+def _layout(x: Tensor) -> torch.memory_format | None:
+    """The memory format the kernels take ``x`` in, or None when ``x`` must be copied first."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    ndim = x.dim()
+    if ndim == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if ndim == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
+
+
+def _channel_shape(x: Tensor) -> tuple[int, ...]:
+    """Shape that broadcasts a per-channel vector against ``x`` of shape (N, C, *spatial)."""
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+
+
+def _affine(xhat: Tensor, weight: Tensor | None, bias: Tensor | None, shape) -> Tensor:
+    if weight is not None:
+        xhat = xhat * weight.reshape(shape)
+    if bias is not None:
+        xhat = xhat + bias.reshape(shape)
+    return xhat
+
+
+def _update_running(running: Tensor | None, batch_stat: Tensor, momentum: float) -> None:
+    """``running = (1 - momentum) * running + momentum * batch_stat``, in place."""
+    if running is not None:
+        running.mul_(1.0 - momentum).add_(batch_stat, alpha=momentum)
+
+
+def _unbias(count: int) -> float:
+    """Factor turning a biased variance over ``count`` values into the unbiased one."""
+    return count / (count - 1) if count > 1 else math.nan
+
+
+def _group_norm_fwd_reference(
+    x: Tensor,
+    num_groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    want_var: bool = False,
+):
+    n, c = x.shape[0], x.shape[1]
+    group_size = (c // num_groups) * math.prod(x.shape[2:])
+    xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, group_size)
+    var, mean = torch.var_mean(xs, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+    y = _affine(xhat, weight, bias, _channel_shape(x))
+    y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
+    return (y, mean, rstd, var) if want_var else (y, mean, rstd)
+
+
+def _group_norm_bwd_reference(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    num_groups: int,
+    output_mask: Sequence[bool],
+):
+    n, c = x.shape[0], x.shape[1]
+    shape4 = (n, num_groups, c // num_groups, math.prod(x.shape[2:]))
+    stat = _stat_dtype(x.dtype)
+    xs = x.to(stat).reshape(shape4)
+    dys = dy.to(stat).reshape(shape4)
+    mean4 = mean.reshape(n, num_groups, 1, 1)
+    rstd4 = rstd.reshape(n, num_groups, 1, 1)
+    xhat = (xs - mean4) * rstd4
+    dx = dweight = dbias = None
+    if output_mask[0]:
+        gx = dys if weight is None else dys * weight.to(stat).reshape(1, num_groups, -1, 1)
+        dx = rstd4 * (
+            gx
+            - gx.mean(dim=(2, 3), keepdim=True)
+            - xhat * (gx * xhat).mean(dim=(2, 3), keepdim=True)
+        )
+        fmt = _layout(x) or torch.contiguous_format
+        dx = dx.reshape(x.shape).to(dtype=x.dtype, memory_format=fmt)
+    if output_mask[1]:
+        dweight = (dys * xhat).sum(dim=(0, 3)).reshape(c).to(_param_dtype(x, weight))
+    if output_mask[2]:
+        dbias = dys.sum(dim=(0, 3)).reshape(c).to(_param_dtype(x, weight))
+    return dx, dweight, dbias
+
+
+def _instance_norm_update(running_mean, running_var, mean, var, count, momentum):
+    _update_running(running_mean, mean.mean(dim=0), momentum)
+    _update_running(running_var, var.mean(dim=0) * _unbias(count), momentum)
+
+
+def _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, momentum, eps):
+    y, mean, rstd, var = _group_norm_fwd_reference(x, x.shape[1], weight, bias, eps, True)
+    _instance_norm_update(running_mean, running_var, mean, var, math.prod(x.shape[2:]), momentum)
+    return y, mean, rstd
+
+
+def _batch_norm_fwd_reference(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    stat = _stat_dtype(x.dtype)
+    shape = _channel_shape(x)
+    xs = x.to(stat)
+    if training:
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(xs, dim=dims, correction=0)
+        _update_running(running_mean, mean, momentum)
+        _update_running(running_var, var * _unbias(x.numel() // max(x.shape[1], 1)), momentum)
+    else:
+        mean = running_mean.to(stat, copy=True)
+        var = running_var.to(stat)
+    rstd = torch.rsqrt(var + eps)
+    y = _affine((xs - mean.reshape(shape)) * rstd.reshape(shape), weight, bias, shape)
+    y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
+    return y, mean, rstd
+
+
+def _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask):
+    stat = _stat_dtype(x.dtype)
+    shape = _channel_shape(x)
+    dims = [0, *range(2, x.dim())]
+    dys = dy.to(stat)
+    xhat = (x.to(stat) - save_mean.reshape(shape)) * save_rstd.reshape(shape)
+    rstd = save_rstd.reshape(shape)
+    dx = dweight = dbias = None
+    if output_mask[0]:
+        gx = dys if weight is None else dys * weight.to(stat).reshape(shape)
+        if training:
+            gx = gx - gx.mean(dim=dims, keepdim=True)
+            gx = gx - xhat * (gx * xhat).mean(dim=dims, keepdim=True)
+        dx = (gx * rstd).to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
+    if output_mask[1]:
+        dweight = (dys * xhat).sum(dim=dims).to(_param_dtype(x, weight))
+    if output_mask[2]:
+        dbias = dys.sum(dim=dims).to(_param_dtype(x, weight))
+    return dx, dweight, dbias
+
+
+def _row_norm_add_mul_fwd_reference(x, y, eps):
+    stat = _stat_dtype(x.dtype)
+    xs, ys = x.to(stat), y.to(stat)
+    var, mean = torch.var_mean(xs, dim=-1, correction=0)
+    rstd = torch.rsqrt(var + eps)
+    xhat = (xs - mean[..., None]) * rstd[..., None]
+    out = ((xhat + ys) * ys).to(dtype=x.dtype, memory_format=torch.contiguous_format)
+    return out, mean, rstd
+
+
+def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
+    stat = _stat_dtype(x.dtype)
+    d, xs, ys = dout.to(stat), x.to(stat), y.to(stat)
+    xhat = (xs - mean[..., None]) * rstd[..., None]
+    gx = d * ys
+    dx = rstd[..., None] * (
+        gx - gx.mean(dim=-1, keepdim=True) - xhat * (gx * xhat).mean(dim=-1, keepdim=True)
+    )
+    dy = d * (xhat + 2.0 * ys)
+    return dx.to(x.dtype).contiguous(), dy.to(y.dtype).contiguous()
