@@ -498,6 +498,25 @@ class CpuStandIn(bench.CudaDevice):
     def empty_cache(self) -> None:
         pass
 
+    def capture_graph(self, step, warmup: int):
+        # No graphs on the CPU: the warm-up and the captured call run eagerly, replays call step.
+        for _ in range(warmup + 1):
+            step()
+        return step
+
+    def profile(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU])
+
+    def kernel_events(self, profiler) -> list[tuple[str, float]]:
+        # torch's CPU ops stand in for kernels (aten::batch_norm etc. count as norm kernels).
+        return [
+            (event.name, float(event.self_cpu_time_total))
+            for event in profiler.events()
+            if event.name.startswith("aten::")
+        ]
+
 
 def _fake_cupynorm_torch(torch: types.ModuleType, wrong: bool) -> types.ModuleType:
     """torch.nn's modules under cupynorm.torch's names (InstanceNorm2d wrong when asked)."""

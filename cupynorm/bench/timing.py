@@ -8,8 +8,10 @@ queries can keep a fake answer after the test.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +133,63 @@ class CudaDevice:
         import torch
 
         torch.cuda.empty_cache()
+
+    def autocast(self, dtype: str | None) -> AbstractContextManager[Any]:
+        """Autocast on this device in `dtype` ("bfloat16", "float16"); None: no autocast.
+
+        The weight-cast cache is off: under CUDA-graph capture a cast cached outside the capture
+        would be read inside it, and every weight is used once per training step anyway.
+        """
+        import torch
+
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device().type, dtype=getattr(torch, dtype), cache_enabled=False)
+
+    def capture_graph(self, step: Callable[[], object], warmup: int) -> Callable[[], object]:
+        """Capture `step` in a CUDA graph; returns the graph's replay.
+
+        As in torch's "whole-network capture": `warmup` eager calls on a side stream first (lazy
+        initialization, cuDNN/cuBLAS handles, cupynorm's kernel compilation and recorded calls,
+        optimizer state all happen outside the capture), then one call captured with
+        `torch.cuda.graph`, which records into a private memory pool. Every later replay reruns
+        those kernels on the same addresses, so `step` must read and write fixed tensors only.
+        """
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+
+    def profile(self) -> Any:
+        """A `torch.profiler.profile` context recording host ops and CUDA kernels."""
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def kernel_events(self, profiler: Any) -> list[tuple[str, float]]:
+        """(name, microseconds) of every kernel the profiler saw; memcpy, memset and the GPU-side
+        spans of `record_function` annotations (e.g. "Optimizer.step#SGD.step", which cover
+        kernels already counted) left out, as torch's own profiler table does."""
+        from torch.autograd import DeviceType
+
+        kernels = []
+        for event in profiler.events():
+            if event.device_type != DeviceType.CUDA:
+                continue
+            if getattr(event, "is_user_annotation", False):
+                continue
+            if event.name.startswith(("Memcpy", "Memset")):
+                continue
+            kernels.append((event.name, float(event.time_range.elapsed_us())))
+        return kernels
 
 
 cuda = CudaDevice()
