@@ -103,3 +103,31 @@ def compare_tensors(
     worst_ratio = float(worst)
     ok = math.isfinite(worst_ratio) and worst_ratio <= 1.0
     return TensorCheck(name, max_abs_error, worst_ratio, ok, note)
+
+
+# ------------------------------------------------------------------------------------------------
+# Accuracy of the models group: errors against a float64 run of torch
+# ------------------------------------------------------------------------------------------------
+
+# cupynorm's error may be this many times torch's (both against torch in float64), plus the floor
+# (for errors near zero, e.g. when both match float64 to rounding).
+ACCURACY_FACTOR = 2.0
+ACCURACY_FLOOR = 1e-6
+
+
+def max_relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |actual - reference| / max |reference|, in float64 (NaN anywhere gives NaN or inf).
+
+    Relative to the largest reference value, not element by element: a gradient has many values
+    near zero whose own relative error says nothing.
+    """
+    difference = (actual.detach().double() - reference.detach().double()).abs().max()
+    scale = reference.detach().double().abs().max()
+    return float(difference) / float(scale) if float(scale) > 0 else float(difference)
+
+
+def accuracy_ok(cupynorm_error: float, torch_error: float) -> bool:
+    """cupynorm's error within ACCURACY_FACTOR x torch's + ACCURACY_FLOOR (False for NaN)."""
+    if not math.isfinite(cupynorm_error):
+        return False
+    return cupynorm_error <= ACCURACY_FACTOR * torch_error + ACCURACY_FLOOR

@@ -18,17 +18,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import timing, workloads
+from . import timing, train, workloads
 from .checking import Tolerance, compare_tensors
 from .report import (
     format_markdown_table,
+    format_models_notes,
+    format_models_table,
     format_ms,
     format_notes,
     matplotlib_available,
     plot_results,
     results_to_json,
 )
-from .results import IMPL_CUPYNORM, WorkloadResult
+from .results import IMPL_CUPYNORM, ModelResult, WorkloadResult
 from .run import (
     RunContext,
     _error_text,
@@ -37,7 +39,7 @@ from .run import (
     run_workload,
 )
 from .timing import make_l2_flush_buffer, measure_copy_bandwidth_tbps, time_cuda_ms
-from .workloads import shape_text
+from .workloads import ModelWorkload, Workload, shape_text
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -86,7 +88,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         action="append",
         metavar="NAME",
-        help="run only these workloads (repeatable, or a comma list); see --list",
+        help=(
+            "run only these workloads (repeatable, or a comma list); a group name selects "
+            "several: 'models' (whole training steps of real models, only run when named), "
+            "'kernels' (the default set); see --list"
+        ),
     )
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--json", metavar="PATH", help="write all numbers and the environment")
@@ -99,8 +105,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         metavar="N",
         help=(
-            "repetitions per implementation (module_overhead: trials of back-to-back calls); "
-            "default: enough to fill a time budget"
+            "repetitions per implementation (module_overhead: trials of back-to-back calls; "
+            "models: timed training steps per mode); default: enough to fill a time budget"
         ),
     )
 
@@ -115,12 +121,23 @@ def build_bench_parser() -> argparse.ArgumentParser:
 
 
 def format_workload_list() -> str:
-    """`--list` output: name, title, shapes and goal of every workload."""
+    """`--list` output: name, title, shapes and goal of every workload, then the models group."""
     lines = []
     for w in workloads.WORKLOADS:
         shapes = ", ".join(shape_text(s) for s in w.input_shapes)
         goal = f"goal {w.goal_ms} ms on H200" if w.goal_ms is not None else f"goal {w.goal_text}"
         lines.append(f"{w.name:36s} {w.title} [{shapes} {w.dtype}; {goal}]")
+    lines.append("")
+    lines.append(
+        "group models (run only when named: --only models): whole training steps, "
+        "eager / graphed / compile, torch's norms vs cupynorm's"
+    )
+    for m in workloads.MODEL_WORKLOADS:
+        goal = f"; goal {m.goal_text}" if m.goal_text else ""
+        lines.append(f"{m.name:36s} {m.title} [{m.describe_input()}{goal}]")
+    lines.append("")
+    groups = workloads.workload_groups()
+    lines.append("groups: " + ", ".join(f"{name} ({len(names)})" for name, names in groups.items()))
     return "\n".join(lines)
 
 
@@ -171,46 +188,34 @@ def run_bench(args: argparse.Namespace) -> int:
     copy_tbps = measure_copy_bandwidth_tbps()
     timing.cuda.empty_cache()
     _progress(f"copy bandwidth: {copy_tbps:.2f} TB/s")
+    needs_flush = any(not isinstance(w, ModelWorkload) for w in selected)
     context = RunContext(
         quick=args.quick,
         compile_enabled=not args.no_compile,
         fixed_reps=args.reps,
-        flush_buffer=make_l2_flush_buffer(),
+        # whole training steps are not L2-flushed: they are far larger than the L2
+        flush_buffer=make_l2_flush_buffer() if needs_flush else None,
         budget=timing.QUICK_BUDGET if args.quick else timing.FULL_BUDGET,
     )
     results: list[WorkloadResult] = []
+    model_results: list[ModelResult] = []
     with warnings.catch_warnings():
         # Seed 002 calls InstanceNorm2d(8192) on (N, 1, 1, 8192): torch warns that C != 8192.
         warnings.filterwarnings("ignore", message="input's size at dim=")
         for index, workload in enumerate(selected, start=1):
-            shapes = ", ".join(shape_text(s) for s in workload.shapes(args.quick))
-            _progress(f"[{index}/{len(selected)}] {workload.name}: {workload.title} ({shapes})")
-            started = time.perf_counter()
-            try:
-                result = run_workload(workload, context)
-            except Exception as exc:  # noqa: BLE001 - e.g. a broken CUDA context: keep reporting
-                traceback.print_exc(file=sys.stderr)
-                result = WorkloadResult(workload, args.quick, error=_error_text(exc))
-            result.seconds = time.perf_counter() - started
-            results.append(result)
-            summary = ", ".join(
-                f"{impl.impl} {format_ms(impl.ms)} ms"
-                if impl.ms is not None
-                else f"{impl.impl} ERROR"
-                for impl in result.impls
-            )
-            _progress(
-                f"[{index}/{len(selected)}] {workload.name} done in {result.seconds:.1f} s: "
-                f"{summary or result.error}"
-            )
-            del result
+            counter = f"[{index}/{len(selected)}]"
+            if isinstance(workload, ModelWorkload):
+                model_results.append(_run_model(workload, context, counter))
+            else:
+                results.append(_run_kernel_workload(workload, context, counter))
             try:
                 _release_device_memory()
             except Exception as exc:  # noqa: BLE001 - the next workload reports the failure
                 _progress(f"    releasing device memory failed: {_error_text(exc)}")
 
     failures = [r for r in results if r.failed]
-    exit_code = EXIT_FAILED if failures else EXIT_OK
+    model_failures = [r for r in model_results if r.failed]
+    exit_code = EXIT_FAILED if failures or model_failures else EXIT_OK
     if args.json:
         report = results_to_json(
             results,
@@ -218,27 +223,80 @@ def run_bench(args: argparse.Namespace) -> int:
             copy_tbps=copy_tbps,
             quick=args.quick,
             exit_code=exit_code,
+            models=model_results,
         )
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         _progress(f"wrote {args.json}")
-    if want_plot:
+    if want_plot and results:
         try:
             plot_results(results, copy_tbps, args.plot)
             _progress(f"wrote {args.plot}")
         except Exception as exc:  # noqa: BLE001 - the plot is optional
             _progress(f"could not write the plot: {_error_text(exc)}")
-    if failures:
+    if failures or model_failures:
         _progress("")
         _progress("!" * 100)
         for result in failures:
             cupynorm = result.impl(IMPL_CUPYNORM)
             reason = result.error or (cupynorm.error if cupynorm else None) or "cupynorm failed"
             _progress(f"FAILED {result.workload.name}: {reason}")
+        for model_result in model_failures:
+            _progress(f"FAILED {model_result.workload.name}: {model_result.failure()}")
         _progress("!" * 100)
-    print(format_notes(results, copy_tbps, gpu_name, args.quick))
-    print()
-    print(format_markdown_table(results, copy_tbps, gpu_name), flush=True)
+    if results:
+        print(format_notes(results, copy_tbps, gpu_name, args.quick))
+        print()
+        print(format_markdown_table(results, copy_tbps, gpu_name), flush=True)
+    if model_results:
+        if results:
+            print()
+        print(format_models_notes(model_results, gpu_name))
+        print()
+        print(format_models_table(model_results), flush=True)
     return exit_code
+
+
+def _run_kernel_workload(workload: Workload, context: RunContext, counter: str) -> WorkloadResult:
+    """One workload of the kernel table, with its progress lines; never raises."""
+    shapes = ", ".join(shape_text(s) for s in workload.shapes(context.quick))
+    _progress(f"{counter} {workload.name}: {workload.title} ({shapes})")
+    started = time.perf_counter()
+    try:
+        result = run_workload(workload, context)
+    except Exception as exc:  # noqa: BLE001 - e.g. a broken CUDA context: keep reporting
+        traceback.print_exc(file=sys.stderr)
+        result = WorkloadResult(workload, context.quick, error=_error_text(exc))
+    result.seconds = time.perf_counter() - started
+    summary = ", ".join(
+        f"{impl.impl} {format_ms(impl.ms)} ms" if impl.ms is not None else f"{impl.impl} ERROR"
+        for impl in result.impls
+    )
+    _progress(
+        f"{counter} {workload.name} done in {result.seconds:.1f} s: {summary or result.error}"
+    )
+    return result
+
+
+def _run_model(workload: ModelWorkload, context: RunContext, counter: str) -> ModelResult:
+    """One workload of the models group, with its progress lines; never raises."""
+    _progress(f"{counter} {workload.name}: {workload.title} ({workload.describe_input()})")
+    started = time.perf_counter()
+    try:
+        result = train.run_model_workload(workload, context)
+    except Exception as exc:  # noqa: BLE001 - e.g. a broken CUDA context: keep reporting
+        traceback.print_exc(file=sys.stderr)
+        result = ModelResult(workload, context.quick, error=_error_text(exc))
+    result.seconds = time.perf_counter() - started
+    summary = ", ".join(
+        f"{step.mode} {step.impl} {format_ms(step.ms)} ms"
+        if step.ms is not None
+        else f"{step.mode} {step.impl} ERROR"
+        for step in result.steps
+    )
+    _progress(
+        f"{counter} {workload.name} done in {result.seconds:.1f} s: {summary or result.error}"
+    )
+    return result
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import IMPL_COMPILE, IMPL_CUPYNORM, IMPL_EAGER, IMPLEMENTATIONS, WorkloadResult
+from .checking import ACCURACY_FACTOR, ACCURACY_FLOOR
+from .results import (
+    IMPL_COMPILE,
+    IMPL_CUPYNORM,
+    IMPL_EAGER,
+    IMPLEMENTATIONS,
+    MODE_EAGER,
+    MODEL_CUPYNORM,
+    MODEL_TORCH,
+    ModelResult,
+    StepResult,
+    WorkloadResult,
+)
 from .timing import throughput_tbps
 from .workloads import H200_COPY_TBPS, bytes_moved, goal_ms_for_run, shape_text
 
@@ -141,8 +153,9 @@ def results_to_json(
     copy_tbps: float | None,
     quick: bool,
     exit_code: int,
+    models: Sequence[ModelResult] = (),
 ) -> dict[str, Any]:
-    """All numbers of a run as a JSON-serializable dict."""
+    """All numbers of a run as a JSON-serializable dict (the models group under "models")."""
     gpu_name = str(environment.get("gpu", ""))
     workloads = []
     for result in results:
@@ -210,6 +223,7 @@ def results_to_json(
         "copy_bandwidth_tbps": copy_tbps,
         "exit_code": exit_code,
         "workloads": workloads,
+        "models": models_to_json(models),
     }
 
 
@@ -258,3 +272,171 @@ def plot_results(
     figure.tight_layout()
     figure.savefig(str(path), dpi=120)
     plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------------
+# The models group
+# ------------------------------------------------------------------------------------------------
+
+MODEL_TABLE_COLUMNS = (
+    "model",
+    "mode",
+    "impl",
+    "step ms",
+    "vs torch",
+    "kernel ms",
+    "norm ms",
+    "host us",
+    "norm launches/layer",
+    "out err",
+    "dx err",
+)
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _error_cells(result: ModelResult, step: StepResult) -> list[str]:
+    """The accuracy cells of an eager row: this implementation's error against float64."""
+    if step.mode != MODE_EAGER:
+        return ["", ""]
+    if result.accuracy is None:
+        if result.accuracy_error is not None and step.impl == MODEL_CUPYNORM:
+            return [_escape_cell("ERROR: " + result.accuracy_error, 60), "-"]
+        return ["-", "-"]
+    a = result.accuracy
+    if step.impl == MODEL_TORCH:
+        return [f"{a.output_torch:.2g}", f"{a.grad_torch:.2g}"]
+    output = f"{a.output_cupynorm:.2g}" + ("" if a.output_ok else " (> 2x torch)")
+    grad = f"{a.grad_cupynorm:.2g}" + ("" if a.grad_ok else " (> 2x torch)")
+    return [output, grad]
+
+
+def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
+    """The models table's cells, one row per (model, mode, implementation)."""
+    rows: list[list[str]] = []
+    for result in results:
+        name = result.workload.name
+        if result.error is not None and not result.steps:
+            rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 7)
+            continue
+        for step in result.steps:
+            row = [name, step.mode, step.impl]
+            if step.ms is None:
+                row.append(_escape_cell(f"ERROR: {step.error or 'not run'}"))
+                row.extend(["-"] * 5)
+            else:
+                reference = result.step(step.mode, MODEL_TORCH)
+                row.append(format_ms(step.ms))
+                row.append(_format_ratio(speedup(reference.ms if reference else None, step.ms)))
+                row.append(_number(step.kernel_ms, ".4g"))
+                row.append(_number(step.norm_kernel_ms, ".4g"))
+                row.append(_number(step.host_us, ".0f"))
+                row.append(_number(step.norm_launches_per_layer(result.norm_layers), ".1f"))
+            row.extend(_error_cells(result, step))
+            rows.append(row)
+    return rows
+
+
+def format_models_table(results: Sequence[ModelResult]) -> str:
+    """A markdown table of the models group."""
+    lines = [
+        "| " + " | ".join(MODEL_TABLE_COLUMNS) + " |",
+        "|" + "|".join(["---"] * 3 + ["---:"] * (len(MODEL_TABLE_COLUMNS) - 3)) + "|",
+    ]
+    for row in model_table_rows(results):
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
+    """What the models table counts, and one line per model."""
+    lines = [
+        f"GPU: {gpu_name}",
+        "Models: whole training steps (zero_grad, forward, loss, backward, SGD step), torch's "
+        "norm layers vs cupynorm.torch.replace_norms, same initial weights and batch. "
+        "step ms: median over steps, CUDA events around whole steps, after warm-up; vs torch: "
+        "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
+        "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode.",
+        "Eager rows: kernel ms / norm ms = GPU kernel time per step, all kernels / norm kernels "
+        "(torch.profiler); host us = wall time to issue one step with the device idle; norm "
+        "launches/layer = norm-kernel launches per step / norm layers. out err / dx err: "
+        "max |x - ref| / max |ref| of the output and of the input gradient, fp32 with TF32 off "
+        f"against torch in float64; cupynorm fails above {ACCURACY_FACTOR:g}x torch's "
+        f"+ {ACCURACY_FLOOR:g}.",
+    ]
+    for result in results:
+        w = result.workload
+        line = f"- {w.name}: {w.title}; input {w.describe_input()}"
+        if result.norm_layers:
+            line += f"; {result.norm_layers} norm layers"
+        if result.accuracy is not None:
+            line += f"; accuracy check at batch {result.accuracy.batch}"
+        if w.goal_text:
+            line += f"; goal {w.goal_text}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
+    """The models group's numbers, JSON-serializable."""
+    report = []
+    for result in results:
+        w = result.workload
+        accuracy = None
+        if result.accuracy is not None:
+            a = result.accuracy
+            accuracy = {
+                "batch": a.batch,
+                "output_max_rel_error_torch": _json_float(a.output_torch),
+                "output_max_rel_error_cupynorm": _json_float(a.output_cupynorm),
+                "input_grad_max_rel_error_torch": _json_float(a.grad_torch),
+                "input_grad_max_rel_error_cupynorm": _json_float(a.grad_cupynorm),
+                "ok": a.ok,
+            }
+        steps = []
+        for step in result.steps:
+            reference = result.step(step.mode, MODEL_TORCH)
+            steps.append(
+                {
+                    "mode": step.mode,
+                    "impl": step.impl,
+                    "ms": step.ms,
+                    "min_ms": step.min_ms,
+                    "max_ms": step.max_ms,
+                    "reps": step.reps,
+                    "speedup_vs_torch": speedup(reference.ms if reference else None, step.ms),
+                    "setup_s": step.setup_s,
+                    "kernel_ms": step.kernel_ms,
+                    "norm_kernel_ms": step.norm_kernel_ms,
+                    "kernels_per_step": step.kernels,
+                    "norm_kernels_per_step": step.norm_kernels,
+                    "norm_launches_per_layer": step.norm_launches_per_layer(result.norm_layers),
+                    "norm_kernel_ms_by_name": step.norm_kernel_ms_by_name,
+                    "host_us": step.host_us,
+                    "error": step.error,
+                }
+            )
+        report.append(
+            {
+                "name": w.name,
+                "title": w.title,
+                "model": w.model,
+                "input_shape": list(w.input_shape),
+                "dtype": w.dtype,
+                "autocast": w.autocast,
+                "channels_last": w.channels_last,
+                "loss": w.loss,
+                "lr": w.lr,
+                "norm_layers": result.norm_layers,
+                "goal_text": w.goal_text,
+                "accuracy": accuracy,
+                "accuracy_error": result.accuracy_error,
+                "error": result.error,
+                "failure": result.failure(),
+                "seconds": result.seconds,
+                "steps": steps,
+            }
+        )
+    return report

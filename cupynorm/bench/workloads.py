@@ -219,10 +219,109 @@ WORKLOADS: tuple[Workload, ...] = (
 WORKLOADS_BY_NAME: dict[str, Workload] = {w.name: w for w in WORKLOADS}
 
 
-def select_workloads(only: Sequence[str] | None) -> list[Workload]:
-    """The registry's workloads named by `--only` (repeatable, comma lists), in registry order.
+# ------------------------------------------------------------------------------------------------
+# The models group: whole training steps (run by `cupynorm.bench.train`)
+# ------------------------------------------------------------------------------------------------
 
-    None or an empty selection means all. Raises ValueError naming unknown workloads.
+
+@dataclass(frozen=True)
+class ModelWorkload:
+    """A whole training step of a model, with torch's norm layers and with cupynorm's.
+
+    The step: zero the gradients, forward (under autocast when `autocast` is set), loss, backward,
+    an SGD step with momentum; in the modes eager, graphed (CUDA graph) and compile.
+    """
+
+    name: str
+    title: str
+    model: str  # key of `cupynorm.bench.models.MODEL_FACTORIES`
+    input_shape: Shape  # the batch fed to each step
+    dtype: str = "float32"  # of the parameters and the input
+    autocast: str | None = None  # autocast dtype ("bfloat16", "float16"), None: no autocast
+    channels_last: bool = False
+    loss: str = "cross_entropy"  # on random labels; or "mse" against a random target
+    num_classes: int = 1000  # cross_entropy only
+    lr: float = 0.01
+    # Batch of the fp32 / float64 accuracy check (None: the row's batch). float64 activations of
+    # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
+    accuracy_batch: int | None = None
+    goal_text: str = ""  # e.g. ">= 1.15x torch eager"
+
+    def describe_input(self) -> str:
+        """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""
+        text = f"{shape_text(self.input_shape)} {self.dtype}"
+        if self.autocast:
+            text += f", {self.autocast} autocast"
+        if self.channels_last:
+            text += ", channels_last"
+        return text
+
+
+_RESNET50_TITLE = "torchvision resnet50() training step (53 BatchNorm2d), bf16 autocast, SGD"
+_GN_BLOCKS_TITLE = (
+    "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
+    "8 GroupNorm) training step, fp16, SGD"
+)
+
+MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
+    ModelWorkload(
+        name="resnet50_b64_bf16_cl",
+        title=_RESNET50_TITLE,
+        model="resnet50",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        goal_text=">= 1.15x torch (eager and graphed)",
+    ),
+    ModelWorkload(
+        name="resnet50_b256_bf16_cl",
+        title=_RESNET50_TITLE,
+        model="resnet50",
+        input_shape=(256, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        accuracy_batch=64,
+        goal_text=">= 1.15x torch (eager and graphed)",
+    ),
+    ModelWorkload(
+        name="gn_blocks_fp16_cl",
+        title=_GN_BLOCKS_TITLE,
+        model="gn_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        channels_last=True,
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
+        name="gn_blocks_fp16",
+        title=_GN_BLOCKS_TITLE,
+        model="gn_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        loss="mse",
+        lr=1e-5,
+    ),
+)
+
+MODEL_WORKLOADS_BY_NAME: dict[str, ModelWorkload] = {w.name: w for w in MODEL_WORKLOADS}
+
+
+def workload_groups() -> dict[str, tuple[str, ...]]:
+    """Names `--only` accepts for several workloads at once: "kernels" (every workload of the
+    default run) and "models" (the whole training steps, which run only when named)."""
+    return {
+        "kernels": tuple(w.name for w in WORKLOADS),
+        "models": tuple(w.name for w in MODEL_WORKLOADS),
+    }
+
+
+def select_workloads(only: Sequence[str] | None) -> list[Workload | ModelWorkload]:
+    """The workloads named by `--only` (repeatable, comma lists, group names), in registry order
+    (the kernel workloads, then the models).
+
+    None or an empty selection means the kernel workloads (the models group runs only when
+    named). Raises ValueError naming unknown workloads.
     """
     if not only:
         return list(WORKLOADS)
@@ -231,14 +330,20 @@ def select_workloads(only: Sequence[str] | None) -> list[Workload]:
         wanted.extend(name.strip() for name in item.split(",") if name.strip())
     if not wanted:
         return list(WORKLOADS)
-    unknown = [name for name in wanted if name not in WORKLOADS_BY_NAME]
+    groups = workload_groups()
+    every: list[Workload | ModelWorkload] = [*WORKLOADS, *MODEL_WORKLOADS]
+    known = {w.name for w in every}
+    unknown = [name for name in wanted if name not in known and name not in groups]
     if unknown:
         raise ValueError(
             f"unknown workload(s): {', '.join(unknown)}; "
-            f"choose from: {', '.join(WORKLOADS_BY_NAME)}"
+            f"choose from: {', '.join(w.name for w in every)}; "
+            f"or a group: {', '.join(groups)}"
         )
-    chosen = set(wanted)
-    return [w for w in WORKLOADS if w.name in chosen]
+    chosen: set[str] = set()
+    for name in wanted:
+        chosen.update(groups.get(name, (name,)))
+    return [w for w in every if w.name in chosen]
 
 
 def bytes_moved(workload: Workload, quick: bool = False) -> int | None:
