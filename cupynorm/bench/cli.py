@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -53,6 +54,10 @@ def _environment(torch_module: ModuleType) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - CuPy missing is reported as None
         cupy_version = None
     cupynorm_version = getattr(sys.modules.get("cupynorm"), "__version__", None)
+    try:  # the models group's resnet50 rows need it; read without importing it
+        torchvision_version: str | None = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
+        torchvision_version = None
     props = timing.cuda.properties()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -63,6 +68,7 @@ def _environment(torch_module: ModuleType) -> dict[str, Any]:
         "torch_cuda": torch_module.version.cuda,
         "cupy": cupy_version,
         "cupynorm": cupynorm_version,
+        "torchvision": torchvision_version,
         "python": platform.python_version(),
     }
 
