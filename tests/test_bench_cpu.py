@@ -184,8 +184,13 @@ def test_unknown_workload_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_gpu_exits_2_with_a_clear_message(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pytest.importorskip("torch")
+
+    class NoGpu(bench.CudaDevice):
+        def is_available(self) -> bool:
+            return False
+
+    monkeypatch.setattr(bench.timing, "cuda", NoGpu())
     assert main(["bench", "--quick"]) == 2
     err = capsys.readouterr().err
     assert "CUDA GPU" in err and "torch.cuda.is_available() is False" in err
@@ -425,7 +430,7 @@ def test_compare_tensors_catches_nan_shape_and_dtype() -> None:
 
 def test_compare_tensors_across_layouts_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    monkeypatch.setattr(bench, "COMPARE_CHUNK_ELEMENTS", 7)
+    monkeypatch.setattr(bench.checking, "COMPARE_CHUNK_ELEMENTS", 7)
     expected = torch.rand(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
     same_values_nchw = expected.contiguous()
     check = bench.compare_tensors("y", same_values_nchw, expected, bench.TOLERANCES["float32"])
@@ -442,9 +447,9 @@ def test_compare_tensors_across_layouts_and_chunks(monkeypatch: pytest.MonkeyPat
 
 
 class _FakeEvent:
-    """Stands in for torch.cuda.Event: host wall clock (the CPU ops are synchronous)."""
+    """Stands in for a CUDA event: host wall clock (the CPU ops are synchronous)."""
 
-    def __init__(self, enable_timing: bool = False) -> None:
+    def __init__(self) -> None:
         self.seconds = 0.0
 
     def record(self, stream: object = None) -> None:
@@ -455,6 +460,62 @@ class _FakeEvent:
 
     def elapsed_time(self, end: _FakeEvent) -> float:
         return (end.seconds - self.seconds) * 1e3
+
+
+class CpuStandIn(bench.CudaDevice):
+    """The bench's device facade answered on the CPU: the bench's only door to the GPU is
+    `bench.timing.cuda`, so swapping that object runs the bench here without touching torch."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        pass
+
+    def event(self) -> _FakeEvent:
+        return _FakeEvent()
+
+    def properties(self) -> types.SimpleNamespace:
+        return types.SimpleNamespace(total_memory=1 << 30, L2_cache_size=1 << 20)
+
+    def name(self) -> str:
+        return "Fake GPU (CPU)"
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def memory_allocated(self) -> int:
+        return 1000
+
+    def max_memory_allocated(self) -> int:
+        return 3_000_000
+
+    def empty_cache(self) -> None:
+        pass
+
+    def capture_graph(self, step, warmup: int):
+        # No graphs on the CPU: the warm-up and the captured call run eagerly, replays call step.
+        for _ in range(warmup + 1):
+            step()
+        return step
+
+    def profile(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        return profile(activities=[ProfilerActivity.CPU])
+
+    def kernel_events(self, profiler) -> list[tuple[str, float]]:
+        # torch's CPU ops stand in for kernels (aten::batch_norm etc. count as norm kernels).
+        return [
+            (event.name, float(event.self_cpu_time_total))
+            for event in profiler.events()
+            if event.name.startswith("aten::")
+        ]
 
 
 def _fake_cupynorm_torch(torch: types.ModuleType, wrong: bool) -> types.ModuleType:
@@ -505,27 +566,17 @@ def _tiny(workload: bench.Workload) -> bench.Workload:
 def cpu_dry_run(monkeypatch: pytest.MonkeyPatch):
     """Make the bench run on the CPU: fake CUDA queries and events, tiny shapes and buffers."""
     torch = pytest.importorskip("torch")
-    cuda = torch.cuda
-    monkeypatch.setattr(cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda, "synchronize", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cuda, "Event", _FakeEvent)
-    properties = types.SimpleNamespace(total_memory=1 << 30, L2_cache_size=1 << 20)
-    monkeypatch.setattr(cuda, "get_device_properties", lambda *args, **kwargs: properties)
-    monkeypatch.setattr(cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda, "get_device_name", lambda *args, **kwargs: "Fake GPU (CPU)")
-    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cuda, "memory_allocated", lambda *args, **kwargs: 1000)
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *args, **kwargs: 3_000_000)
-    monkeypatch.setattr(cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(bench, "MIN_FLUSH_BYTES", 1 << 16)
-    monkeypatch.setattr(bench, "COPY_BANDWIDTH_BYTES", 1 << 16)
+    monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
+    monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
+    monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
     monkeypatch.setattr(
-        bench, "QUICK_BUDGET", dataclasses.replace(bench.QUICK_BUDGET, overhead_calls=5)
+        bench.timing,
+        "QUICK_BUDGET",
+        dataclasses.replace(bench.timing.QUICK_BUDGET, overhead_calls=5),
     )
     tiny = tuple(_tiny(w) for w in bench.WORKLOADS)
-    monkeypatch.setattr(bench, "WORKLOADS", tiny)
-    monkeypatch.setattr(bench, "WORKLOADS_BY_NAME", {w.name: w for w in tiny})
+    monkeypatch.setattr(bench.workloads, "WORKLOADS", tiny)
+    monkeypatch.setattr(bench.workloads, "WORKLOADS_BY_NAME", {w.name: w for w in tiny})
 
     def use_cupynorm(wrong: bool = False) -> None:
         monkeypatch.setitem(sys.modules, "cupynorm.torch", _fake_cupynorm_torch(torch, wrong))
@@ -568,6 +619,17 @@ def test_dry_run_end_to_end(
         assert all(check["ok"] for check in workload["checks"]) and workload["checks"]
         assert [impl["impl"] for impl in workload["impls"]] == ["torch eager", "cupynorm"]
         assert all(impl["ms"] > 0 for impl in workload["impls"])
+
+
+def test_dry_run_leaves_torch_alone(cpu_dry_run, capsys) -> None:
+    """The dry run swaps the bench's facade only: torch.cuda's own functions stay torch's."""
+    torch = pytest.importorskip("torch")
+    cpu_dry_run()
+    before = dict(vars(torch.cuda))
+    argv = ["bench", "--quick", "--no-compile", "--reps", "2", "--only", "module_overhead"]
+    assert main(argv) == 0, capsys.readouterr().err
+    after = vars(torch.cuda)
+    assert [name for name, value in before.items() if after.get(name) is not value] == []
 
 
 def test_dry_run_wrong_cupynorm_exits_1(cpu_dry_run, capsys) -> None:

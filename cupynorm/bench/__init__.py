@@ -1,0 +1,195 @@
+"""`python -m cupynorm bench`: torch eager vs `torch.compile` vs cupynorm, side by side.
+
+Method (the design notes' "Benchmark method"):
+
+* Every workload runs the three implementations in one process on the same inputs. cupynorm runs
+  through the `cupynorm.torch` modules on torch tensors; `torch.compile` (default mode) wraps the
+  eager module, compiles on its first call and is warmed up; compile time is never timed.
+* Before any timing, cupynorm's outputs (and, for fwd+bwd rows, its gradients; for BatchNorm its
+  running statistics) are compared with torch eager's. Both tensors are divided by the RMS of
+  torch's tensor ("normalized"), then checked like `torch.allclose` with a tolerance from the dtype
+  (`TOLERANCES`). A mismatch is a hard failure: the maximum error is printed and the exit code is 1.
+* Timing: CUDA events placed around the operation only; before each repetition a buffer of at least
+  twice the L2 size is overwritten to flush L2 (outside the events); warm-up first; the median of
+  the repetitions is reported. Host-overhead rows (`module_overhead`) time many back-to-back calls
+  between one pair of events and report the time per call.
+* TB/s counts `tensor_passes` passes over the big tensor(s) (for example forward: read x, write y;
+  forward+backward: read x, write y, read x, read dy, write dx = 5 passes) divided by the median
+  time, and is also given as a percentage of the measured device-to-device copy bandwidth.
+* fp16 workloads convert the whole module (parameters and running statistics too) to fp16, for
+  all three implementations alike. Inputs are torch.rand (uniform [0, 1)), as in KernelBench.
+
+The models group (`--only models`, run only when named; a group name like any workload name):
+whole training steps (zero_grad, forward, loss, backward, SGD step) of torchvision's resnet50
+(BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256) and of 4 diffusers-style ResNet
+blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and NCHW), each with torch's norm
+layers and with `cupynorm.torch.replace_norms` of a copy, from the same weights on the same
+batch, in three modes: eager, graphed (the whole step captured in one CUDA graph) and compile
+(`torch.compile(model)`). Per row: step ms (median, CUDA events around whole steps) and the
+speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms per step and
+kernel launches per norm layer (torch.profiler) and the host time to issue a step. Before timing,
+the output and input gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm
+fails the row when its error is above 2x torch's. See `cupynorm.bench.train`.
+
+Output: one progress line per workload (and every check) on stderr; then notes and a markdown
+table on stdout, last (paste-able into benchmarks/RESULTS.md); the models group has a table of
+its own after the kernel table.
+
+Exit codes: 0 all good; 1 cupynorm wrong, less accurate or failing (or a workload could not be
+set up, e.g. torchvision missing for resnet50); 2 no torch / no CUDA GPU / bad arguments.
+
+Importing this package is cheap: torch, CuPy and cupynorm's kernels are imported only when a
+benchmark runs.
+"""
+
+from __future__ import annotations
+
+# Modules: workloads (what each row runs), timing (the device facade, CUDA-event timing, L2
+# flush, copy bandwidth), checking (cupynorm vs torch), run (one workload), results, report
+# (table, notes, JSON, plot), models (models the bench defines), cli (the command line and the
+# examples' driver). The names below are the package's public surface.
+from .checking import TOLERANCES, TensorCheck, Tolerance, compare_tensors
+from .cli import (
+    EXIT_ENVIRONMENT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_bench_arguments,
+    build_bench_parser,
+    format_workload_list,
+    run_bench,
+    run_example_cli,
+)
+from .report import (
+    MODEL_TABLE_COLUMNS,
+    TABLE_COLUMNS,
+    format_markdown_table,
+    format_models_notes,
+    format_models_table,
+    format_notes,
+    matplotlib_available,
+    models_to_json,
+    plot_results,
+    results_to_json,
+    speedup,
+    table_rows,
+)
+from .results import (
+    IMPL_COMPILE,
+    IMPL_CUPYNORM,
+    IMPL_EAGER,
+    IMPLEMENTATIONS,
+    MODE_COMPILE,
+    MODE_EAGER,
+    MODE_GRAPHED,
+    MODEL_CUPYNORM,
+    MODEL_TORCH,
+    MODES,
+    AccuracyCheck,
+    ImplResult,
+    ModelResult,
+    StepResult,
+    WorkloadResult,
+)
+from .run import RunContext, run_workload
+from .timing import (
+    FULL_BUDGET,
+    PER_REP_OVERHEAD_MS,
+    QUICK_BUDGET,
+    CudaDevice,
+    TimingBudget,
+    choose_reps,
+    l2_flush_bytes,
+    make_l2_flush_buffer,
+    measure_copy_bandwidth_tbps,
+    throughput_tbps,
+    time_cuda_ms,
+    time_per_call_ms,
+)
+from .train import run_model_workload
+from .workloads import (
+    H200_COPY_TBPS,
+    ITEMSIZE,
+    MODEL_WORKLOADS,
+    MODEL_WORKLOADS_BY_NAME,
+    WORKLOADS,
+    WORKLOADS_BY_NAME,
+    ModelWorkload,
+    ModuleSpec,
+    Workload,
+    bytes_moved,
+    goal_ms_for_run,
+    select_workloads,
+    shape_text,
+    workload_groups,
+)
+
+__all__ = [
+    "EXIT_ENVIRONMENT",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "FULL_BUDGET",
+    "H200_COPY_TBPS",
+    "IMPLEMENTATIONS",
+    "IMPL_COMPILE",
+    "IMPL_CUPYNORM",
+    "IMPL_EAGER",
+    "ITEMSIZE",
+    "MODEL_CUPYNORM",
+    "MODEL_TABLE_COLUMNS",
+    "MODEL_TORCH",
+    "MODEL_WORKLOADS",
+    "MODEL_WORKLOADS_BY_NAME",
+    "MODES",
+    "MODE_COMPILE",
+    "MODE_EAGER",
+    "MODE_GRAPHED",
+    "PER_REP_OVERHEAD_MS",
+    "QUICK_BUDGET",
+    "TABLE_COLUMNS",
+    "TOLERANCES",
+    "WORKLOADS",
+    "WORKLOADS_BY_NAME",
+    "AccuracyCheck",
+    "add_bench_arguments",
+    "build_bench_parser",
+    "bytes_moved",
+    "choose_reps",
+    "compare_tensors",
+    "CudaDevice",
+    "format_markdown_table",
+    "format_models_notes",
+    "format_models_table",
+    "format_notes",
+    "format_workload_list",
+    "goal_ms_for_run",
+    "ImplResult",
+    "l2_flush_bytes",
+    "make_l2_flush_buffer",
+    "matplotlib_available",
+    "measure_copy_bandwidth_tbps",
+    "ModelResult",
+    "models_to_json",
+    "ModelWorkload",
+    "ModuleSpec",
+    "plot_results",
+    "results_to_json",
+    "run_bench",
+    "run_example_cli",
+    "run_model_workload",
+    "run_workload",
+    "RunContext",
+    "select_workloads",
+    "shape_text",
+    "speedup",
+    "StepResult",
+    "table_rows",
+    "TensorCheck",
+    "throughput_tbps",
+    "time_cuda_ms",
+    "time_per_call_ms",
+    "TimingBudget",
+    "Tolerance",
+    "Workload",
+    "workload_groups",
+    "WorkloadResult",
+]

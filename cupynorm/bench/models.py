@@ -1,0 +1,157 @@
+"""Models the bench builds (torch imported on first use).
+
+- seed 002's reference models (KernelBench level 2, 28) for the `row_norm_add_mul_fp32` and
+  `seed002_model_fp32` rows;
+- the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()` and a stack
+  of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not a dependency: the block is
+  written here).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .workloads import ModelWorkload
+
+_SEED002_CLASSES: dict[str, type] = {}
+
+
+def seed002_module_classes() -> dict[str, type]:
+    """Seed002Tail (eager tail), Seed002Model (eager model), Seed002ModelCupynorm."""
+    if _SEED002_CLASSES:
+        return _SEED002_CLASSES
+    from torch import nn
+
+    class Seed002Tail(nn.Module):
+        """Seed 002's epilogue in eager torch: instance norm over each row, then (x + y) * y."""
+
+        def __init__(self, features: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
+            super().__init__()
+            self.instance_norm = nn.InstanceNorm2d(features, eps=eps, momentum=momentum)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x = self.instance_norm(x.unsqueeze(1).unsqueeze(1)).squeeze(1).squeeze(1)
+            x = x + y
+            return x * y
+
+    class Seed002Model(nn.Module):
+        """Seed 002 (KernelBench level 2, 28): Linear, row instance norm, + y, * y."""
+
+        def __init__(
+            self, in_features: int, out_features: int, eps: float = 1e-5, momentum: float = 0.1
+        ) -> None:
+            super().__init__()
+            self.bmm = nn.Linear(in_features, out_features)
+            self.instance_norm = nn.InstanceNorm2d(out_features, eps=eps, momentum=momentum)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            x = self.bmm(x)
+            x = self.instance_norm(x.unsqueeze(1).unsqueeze(1)).squeeze(1).squeeze(1)
+            x = x + y
+            return x * y
+
+    class Seed002ModelCupynorm(nn.Module):
+        """Seed 002 with the tail fused by `cupynorm.torch.row_norm_add_mul`."""
+
+        def __init__(
+            self, in_features: int, out_features: int, eps: float = 1e-5, momentum: float = 0.1
+        ) -> None:
+            super().__init__()
+            cupynorm_torch = importlib.import_module("cupynorm.torch")
+            self.bmm = nn.Linear(in_features, out_features)
+            self.eps = eps
+            self._row_norm_add_mul = cupynorm_torch.row_norm_add_mul
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self._row_norm_add_mul(self.bmm(x), y, eps=self.eps)
+
+    _SEED002_CLASSES.update(
+        Seed002Tail=Seed002Tail,
+        Seed002Model=Seed002Model,
+        Seed002ModelCupynorm=Seed002ModelCupynorm,
+    )
+    return _SEED002_CLASSES
+
+
+# ------------------------------------------------------------------------------------------------
+# The models group
+# ------------------------------------------------------------------------------------------------
+
+GN_BLOCKS = 4
+GN_GROUPS = 32
+_GN_CLASSES: dict[str, type] = {}
+
+
+def _gn_module_classes() -> dict[str, type]:
+    """GNResnetBlock and GNResnetBlocks, defined on first use (they need torch)."""
+    if _GN_CLASSES:
+        return _GN_CLASSES
+    from torch import nn
+
+    class GNResnetBlock(nn.Module):
+        """diffusers' ResnetBlock2D without the time embedding and dropout (in = out channels):
+        GroupNorm -> SiLU -> Conv3x3 -> GroupNorm -> SiLU -> Conv3x3, plus the input."""
+
+        def __init__(self, channels: int, groups: int = GN_GROUPS, eps: float = 1e-5) -> None:
+            super().__init__()
+            self.norm1 = nn.GroupNorm(groups, channels, eps=eps)
+            self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+            self.norm2 = nn.GroupNorm(groups, channels, eps=eps)
+            self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+            self.act = nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(self.act(self.norm1(x)))
+            h = self.conv2(self.act(self.norm2(h)))
+            return x + h
+
+    class GNResnetBlocks(nn.Sequential):
+        """`blocks` GNResnetBlock in a row (the shape of a UNet stage at one resolution)."""
+
+        def __init__(self, channels: int, blocks: int = GN_BLOCKS, groups: int = GN_GROUPS) -> None:
+            super().__init__(*(GNResnetBlock(channels, groups) for _ in range(blocks)))
+
+    _GN_CLASSES.update(GNResnetBlock=GNResnetBlock, GNResnetBlocks=GNResnetBlocks)
+    return _GN_CLASSES
+
+
+def gn_resnet_blocks(workload: ModelWorkload) -> torch.nn.Module:
+    """GN_BLOCKS diffusers-style ResNet blocks on the workload's channels."""
+    return _gn_module_classes()["GNResnetBlocks"](workload.input_shape[1])
+
+
+def resnet50(workload: ModelWorkload) -> torch.nn.Module:
+    """torchvision's `resnet50()` (random weights); an ImportError when torchvision is missing."""
+    torchvision_models = importlib.import_module("torchvision.models")
+    return torchvision_models.resnet50(num_classes=workload.num_classes)
+
+
+# The models group's models by name; each builds the model on the CPU in float32.
+MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
+    "resnet50": resnet50,
+    "gn_resnet_blocks": gn_resnet_blocks,
+}
+
+
+def build_model(workload: ModelWorkload) -> torch.nn.Module:
+    """The workload's model, built by its factory in MODEL_FACTORIES."""
+    return MODEL_FACTORIES[workload.model](workload)
+
+
+def count_norm_layers(model: torch.nn.Module) -> int:
+    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm modules of the model (cupynorm's modules
+    subclass torch's, so they count too)."""
+    from torch import nn
+
+    kinds = (
+        nn.modules.batchnorm._BatchNorm,
+        nn.GroupNorm,
+        nn.modules.instancenorm._InstanceNorm,
+        nn.LayerNorm,
+    )
+    return sum(1 for module in model.modules() if isinstance(module, kinds))

@@ -1,0 +1,438 @@
+"""The models group (`--only models`): whole training steps with torch's norms and cupynorm's.
+
+For each model workload, in one process, from the same initial weights and on the same batch:
+
+1. Accuracy, once, eager, TF32 off (the flags are restored after): the output and the gradient
+   of the loss with respect to the input, of torch in fp32 and of cupynorm in fp32, each against
+   torch in float64 (`checking.max_relative_error`). cupynorm fails the row when its error is
+   above 2x torch's (+ a tiny floor).
+2. Three modes, each with torch's model and with `cupynorm.torch.replace_norms(copy.deepcopy(
+   model))`, each from a fresh copy of the initial weights:
+   - eager: the step as written (`TrainStep`);
+   - graphed: the whole step (zero_grad, forward, loss, backward, SGD step) captured in one CUDA
+     graph with `torch.cuda.graph` after eager warm-up steps on a side stream, then replayed
+     (`timing.CudaDevice.capture_graph`). Whole-step capture rather than
+     `torch.cuda.make_graphed_callables`: it removes all host work from the step (both eager
+     runs are host-bound, which is what the graphed comparison is for), the optimizer and the
+     loss are in the graph too, and it asks of the norm layers only what any capture asks
+     (launch on the current stream, allocate through torch, never synchronize), which torch's
+     layers and cupynorm's both meet; make_graphed_callables would leave the loss and the
+     optimizer eager and adds its own constraints (no module hooks, sample arguments per
+     callable, autocast cache off). SGD needs no `capturable` flag (it keeps no step counter);
+     the momentum buffers are created by the warm-up steps, outside the capture. A capture that
+     fails is reported in that cell.
+   - compile: `torch.compile(model)` in its default mode; the optimizer stays eager.
+   Step time: the median of several steps, CUDA events around each whole step, after warm-up
+   steps (compiling / capturing happens there and is reported apart). In eager mode also:
+   GPU kernel time and norm-kernel time per step and kernel launches per norm layer, from
+   `torch.profiler` over a few steps; and host time to issue one step (wall time of the Python
+   call, the device idle before it, no synchronization inside it).
+
+torch, torchvision and cupynorm are imported when a workload runs; a model that cannot be built
+(torchvision missing, ...) becomes an error row.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import models, timing
+from .checking import max_relative_error
+from .results import (
+    MODE_COMPILE,
+    MODE_EAGER,
+    MODE_GRAPHED,
+    MODEL_CUPYNORM,
+    MODEL_IMPLS,
+    AccuracyCheck,
+    ModelResult,
+    StepResult,
+)
+from .run import RunContext, _error_text, _progress, _release_device_memory
+from .timing import time_cuda_ms
+from .workloads import ModelWorkload
+
+if TYPE_CHECKING:
+    import torch
+
+# Steps timed per (mode, implementation): full run / --quick (--reps N overrides).
+STEPS_FULL = 10
+STEPS_QUICK = 5
+WARMUP_STEPS = 3  # before timing; the compile mode compiles in the first of them
+GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before the capture
+HOST_STEPS = 5  # eager steps whose issue time is measured (median)
+PROFILE_STEPS = 2  # eager steps under torch.profiler
+SGD_MOMENTUM = 0.9
+MSE_SCALE = 5e-4  # see _loss
+# torch.compile(model, **COMPILE_OPTIONS): the default mode.
+COMPILE_OPTIONS: dict[str, Any] = {}
+
+# Lower-case pieces of kernel names counted as norm kernels: torch's BatchNorm (native and
+# cuDNN: batch_norm_*, welford_*, bn_*), torch's GroupNorm (RowwiseMoments, ComputeFusedParams,
+# GroupNorm*Kernel lambdas, the backward's gradient kernels), cupynorm's (cuda_src/*.cu:
+# segment_norm_*, strided_norm_*). Layout copies a norm makes around its kernels are not counted.
+NORM_KERNEL_PATTERNS = (
+    "batch_norm",
+    "batchnorm",
+    "bn_",
+    "welford",
+    "group_norm",
+    "groupnorm",
+    "rowwisemoments",
+    "fusedparams",
+    "internalgradients",
+    "gammabeta",
+    "segment_norm_",
+    "strided_norm_",
+)
+
+
+def is_norm_kernel(name: str) -> bool:
+    """Whether a kernel's name marks it as part of a normalization layer."""
+    lowered = name.lower()
+    return any(pattern in lowered for pattern in NORM_KERNEL_PATTERNS)
+
+
+@dataclass
+class KernelSummary:
+    """Kernel time and launches per step, from the profiler's kernel list."""
+
+    kernel_ms: float
+    norm_kernel_ms: float
+    kernels: float
+    norm_kernels: float
+    norm_kernel_ms_by_name: dict[str, float]
+
+
+def summarize_kernels(events: Sequence[tuple[str, float]], steps: int) -> KernelSummary:
+    """Per-step totals of (name, microseconds) kernel events recorded over `steps` steps."""
+    steps = max(steps, 1)
+    by_name: dict[str, float] = {}
+    total_us = norm_us = 0.0
+    norm_count = 0
+    for name, us in events:
+        total_us += us
+        if is_norm_kernel(name):
+            norm_us += us
+            norm_count += 1
+            by_name[name] = by_name.get(name, 0.0) + us / 1e3 / steps
+    ordered = dict(sorted(by_name.items(), key=lambda item: -item[1]))
+    return KernelSummary(
+        kernel_ms=total_us / 1e3 / steps,
+        norm_kernel_ms=norm_us / 1e3 / steps,
+        kernels=len(events) / steps,
+        norm_kernels=norm_count / steps,
+        norm_kernel_ms_by_name=ordered,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# The training step
+# ------------------------------------------------------------------------------------------------
+
+
+def _loss(workload: ModelWorkload, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    if workload.loss == "cross_entropy":
+        return F.cross_entropy(output, target)
+    # Summed and scaled so that the output's gradient is 1e-3 * (output - target): a normal fp16
+    # number (a mean over 21M elements would give ~1e-7, below fp16's normal range), and parameter
+    # gradients and momentum buffers far below fp16's 65504 (checked over 25 steps on the CPU at
+    # the rows' channels and resolution). The target's dtype (fp32; fp64 in the accuracy check)
+    # is the loss's.
+    return F.mse_loss(output.to(target.dtype), target, reduction="sum") * MSE_SCALE
+
+
+class TrainStep:
+    """One training step on fixed tensors: zero the gradients (to None), forward (under autocast
+    when the workload asks), loss, backward, SGD step.
+
+    The same callable runs eager, is captured whole for the graphed mode, and runs a compiled
+    forward for the compile mode. Gradients set to None before the forward means the backward
+    allocates them: in a capture, from the graph's pool, where every replay rewrites them.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        workload: ModelWorkload,
+        inputs: torch.Tensor,
+        target: torch.Tensor,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        import torch
+
+        self.model = model
+        self.forward = forward if forward is not None else model
+        self.workload = workload
+        self.inputs = inputs
+        self.target = target
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=workload.lr, momentum=SGD_MOMENTUM)
+
+    def __call__(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with timing.cuda.autocast(self.workload.autocast):
+            output = self.forward(self.inputs)
+            loss = _loss(self.workload, output, self.target)
+        loss.backward()
+        self.optimizer.step()
+
+
+def _make_batch(
+    workload: ModelWorkload, batch: int, device: Any, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A standard-normal input in the workload's layout and a random target: class labels for
+    cross-entropy, a standard-normal tensor of the input's shape (in fp32, or fp64 for an fp64
+    input) for mse."""
+    import torch
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    shape = (batch, *workload.input_shape[1:])
+    layout = torch.channels_last if workload.channels_last else torch.contiguous_format
+    inputs = torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
+    inputs.normal_(generator=generator)
+    if workload.loss == "cross_entropy":
+        target = torch.randint(
+            0, workload.num_classes, (batch,), device=device, generator=generator
+        )
+    else:
+        target_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        target = torch.empty(shape, dtype=target_dtype, device=device, memory_format=layout)
+        target.normal_(generator=generator)
+    return inputs, target
+
+
+def _replace_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """`cupynorm.torch.replace_norms` (imported here: it needs torch and registers ops)."""
+    return importlib.import_module("cupynorm.torch").replace_norms(model)
+
+
+def _on_device(
+    model: torch.nn.Module, workload: ModelWorkload, device: Any, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The model moved to the device and dtype, in the workload's layout, in training mode."""
+    import torch
+
+    model = model.to(device=device, dtype=dtype)
+    if workload.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model.train()
+
+
+# ------------------------------------------------------------------------------------------------
+# Accuracy
+# ------------------------------------------------------------------------------------------------
+
+
+def _output_and_input_grad(
+    model: torch.nn.Module, workload: ModelWorkload, inputs: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
+    inputs = inputs.detach().requires_grad_(True)
+    output = model(inputs)
+    (grad,) = torch.autograd.grad(_loss(workload, output, target), [inputs])
+    return output.detach(), grad.detach()
+
+
+def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCheck:
+    """Errors of torch fp32 and cupynorm fp32 against torch float64, eager, TF32 off."""
+    import torch
+
+    device = timing.cuda.device()
+    batch = workload.accuracy_batch or workload.input_shape[0]
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32)
+    matmul.allow_tf32 = False
+    cudnn.allow_tf32 = False
+    try:
+        inputs64, target64 = _make_batch(workload, batch, device, torch.float64, seed=11)
+        reference = _output_and_input_grad(
+            _on_device(copy.deepcopy(base), workload, device, torch.float64),
+            workload,
+            inputs64,
+            target64,
+        )
+        inputs32 = inputs64.float()
+        target32 = target64 if not target64.is_floating_point() else target64.float()
+        errors = []
+        for make in (copy.deepcopy, lambda m: _replace_norms(copy.deepcopy(m))):
+            model = _on_device(make(base), workload, device, torch.float32)
+            output, grad = _output_and_input_grad(model, workload, inputs32, target32)
+            errors.append(
+                (max_relative_error(output, reference[0]), max_relative_error(grad, reference[1]))
+            )
+            del model, output, grad
+    finally:
+        matmul.allow_tf32, cudnn.allow_tf32 = saved
+    (output_torch, grad_torch), (output_cupynorm, grad_cupynorm) = errors
+    return AccuracyCheck(
+        batch=batch,
+        output_torch=output_torch,
+        output_cupynorm=output_cupynorm,
+        grad_torch=grad_torch,
+        grad_cupynorm=grad_cupynorm,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing one (mode, implementation)
+# ------------------------------------------------------------------------------------------------
+
+
+def _host_us(step: Callable[[], object], steps: int) -> float:
+    """Median wall time to issue one step, starting each with the device idle."""
+    samples = []
+    for _ in range(steps):
+        timing.cuda.synchronize()
+        started = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - started) * 1e6)
+    timing.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _profile(step: Callable[[], object], steps: int) -> KernelSummary:
+    timing.cuda.synchronize()
+    with timing.cuda.profile() as profiler:
+        for _ in range(steps):
+            step()
+        timing.cuda.synchronize()
+    return summarize_kernels(timing.cuda.kernel_events(profiler), steps)
+
+
+def _run_step(
+    base: torch.nn.Module,
+    workload: ModelWorkload,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
+    impl: str,
+    steps: int,
+) -> StepResult:
+    """Build a fresh copy of the model for `impl`, run `mode`, time it."""
+    import torch
+
+    result = StepResult(mode=mode, impl=impl)
+    model = copy.deepcopy(base)
+    if impl == MODEL_CUPYNORM:
+        model = _replace_norms(model)
+    model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
+    forward = torch.compile(model, **COMPILE_OPTIONS) if mode == MODE_COMPILE else None
+    trainer = TrainStep(model, workload, *batch, forward=forward)
+    step: Callable[[], object] = trainer
+    started = time.perf_counter()
+    if mode == MODE_GRAPHED:
+        step = timing.cuda.capture_graph(trainer, warmup=GRAPH_WARMUP_STEPS)
+    else:
+        step()  # compile mode: compiles forward and backward here
+    timing.cuda.synchronize()
+    result.setup_s = time.perf_counter() - started
+    times = time_cuda_ms(step, reps=steps, warmup=WARMUP_STEPS)
+    result.ms = statistics.median(times)
+    result.min_ms, result.max_ms, result.reps = min(times), max(times), len(times)
+    if mode == MODE_EAGER:
+        result.host_us = _host_us(step, HOST_STEPS)
+        summary = _profile(step, PROFILE_STEPS)
+        result.kernel_ms = summary.kernel_ms
+        result.norm_kernel_ms = summary.norm_kernel_ms
+        result.kernels = summary.kernels
+        result.norm_kernels = summary.norm_kernels
+        result.norm_kernel_ms_by_name = summary.norm_kernel_ms_by_name
+    return result
+
+
+def _run_step_safely(
+    base: torch.nn.Module,
+    workload: ModelWorkload,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
+    impl: str,
+    steps: int,
+) -> StepResult:
+    """`_run_step`, with an exception reported as the cell's error; device memory freed after."""
+    try:
+        result = _run_step(base, workload, batch, mode, impl, steps)
+    except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the others
+        traceback.print_exc(file=sys.stderr)
+        result = StepResult(mode=mode, impl=impl, error=_error_text(exc))
+    try:
+        _release_device_memory()
+    except Exception as exc:  # noqa: BLE001 - the next step reports the failure
+        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    return result
+
+
+def _step_line(result: StepResult) -> str:
+    if result.error is not None:
+        return f"    {result.mode} {result.impl}: ERROR {result.error}"
+    line = f"    {result.mode} {result.impl}: {result.ms:.4g} ms/step"
+    if result.setup_s is not None and result.mode != MODE_EAGER:
+        line += f" (setup {result.setup_s:.1f} s)"
+    if result.kernel_ms is not None:
+        line += (
+            f"; kernels {result.kernel_ms:.4g} ms, norm kernels {result.norm_kernel_ms:.4g} ms, "
+            f"host {result.host_us:.0f} us per step"
+        )
+    return line
+
+
+def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelResult:
+    """Accuracy check, then every mode with torch's norms and cupynorm's (see the module doc)."""
+    import torch
+
+    result = ModelResult(workload=workload, quick=context.quick)
+    try:
+        torch.manual_seed(0)
+        base = models.build_model(workload)
+        result.norm_layers = models.count_norm_layers(base)
+    except Exception as exc:  # noqa: BLE001 - e.g. torchvision missing: an error row
+        result.error = "setup failed: " + _error_text(exc)
+        _progress(f"    {result.error}")
+        return result
+
+    try:
+        result.accuracy = check_accuracy(base, workload)
+        a = result.accuracy
+        status = "ok" if a.ok else "WORSE THAN 2x TORCH"
+        _progress(
+            f"    accuracy vs float64 (batch {a.batch}): output torch {a.output_torch:.3g}, "
+            f"cupynorm {a.output_cupynorm:.3g}; input gradient torch {a.grad_torch:.3g}, "
+            f"cupynorm {a.grad_cupynorm:.3g}: {status}"
+        )
+    except Exception as exc:  # noqa: BLE001 - reported, and fails the row
+        result.accuracy_error = _error_text(exc)
+        _progress(f"    accuracy check failed: {result.accuracy_error}")
+        traceback.print_exc(file=sys.stderr)
+    try:
+        _release_device_memory()
+    except Exception as exc:  # noqa: BLE001 - the steps report the failure
+        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+
+    try:
+        batch = _make_batch(
+            workload,
+            workload.input_shape[0],
+            timing.cuda.device(),
+            getattr(torch, workload.dtype),
+            seed=2,
+        )
+    except Exception as exc:  # noqa: BLE001 - e.g. out of memory
+        result.error = "setup failed: " + _error_text(exc)
+        return result
+    steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
+    modes = [MODE_EAGER, MODE_GRAPHED] + ([MODE_COMPILE] if context.compile_enabled else [])
+    for mode in modes:
+        for impl in MODEL_IMPLS:
+            step_result = _run_step_safely(base, workload, batch, mode, impl, steps)
+            _progress(_step_line(step_result))
+            result.steps.append(step_result)
+    return result

@@ -1,0 +1,374 @@
+"""The benchmark's workloads: what each row builds and feeds, its traffic and its goal.
+
+Nothing here imports torch: `ModuleSpec.build` imports the module's namespace when called.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+Shape = tuple[int, ...]
+
+# Copy bandwidth of the lent H200 on the day the goals were set (DESIGN.md, Performance goals).
+# On another GPU the goal is the same fraction of that GPU's measured copy bandwidth.
+H200_COPY_TBPS = 4.24
+
+ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """How to build one implementation's module: `<namespace>.<class_name>(*args, **kwargs)`.
+
+    namespace is "torch.nn", "cupynorm.torch", or "bench" for the reference models of seed 002
+    defined in `cupynorm.bench.models`. Nothing is imported until `build` is called.
+    """
+
+    namespace: str
+    class_name: str
+    args: tuple[Any, ...] = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def build(self) -> torch.nn.Module:
+        """Construct the module (on the CPU, float32, like `torch.nn` modules)."""
+        if self.namespace == "bench":
+            from . import models
+
+            cls = models.seed002_module_classes()[self.class_name]
+        else:
+            cls = getattr(importlib.import_module(self.namespace), self.class_name)
+        return cls(*self.args, **dict(self.kwargs))
+
+    def describe(self) -> str:
+        """`GroupNorm(8, 64)`-style text."""
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs]
+        return f"{self.class_name}({', '.join(parts)})"
+
+
+def _same_module(class_name: str, *args: Any, **kwargs: Any) -> dict[str, ModuleSpec]:
+    """The torch.nn module and its cupynorm.torch drop-in, built with the same arguments."""
+    kw = tuple(kwargs.items())
+    return {
+        "eager": ModuleSpec("torch.nn", class_name, args, kw),
+        "cupynorm": ModuleSpec("cupynorm.torch", class_name, args, kw),
+    }
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark row group: the same module call in torch eager, torch.compile, cupynorm."""
+
+    name: str
+    title: str
+    eager: ModuleSpec
+    cupynorm: ModuleSpec
+    input_shapes: tuple[Shape, ...]  # one per module input; the first is "the big tensor"
+    quick_input_shapes: tuple[Shape, ...] | None = None  # None: same as input_shapes
+    dtype: str = "float32"
+    channels_last: bool = False
+    backward: bool = False  # time forward + backward (gradients of input and parameters)
+    # Passes over a tensor of the first input's size that define TB/s; None: not bandwidth-bound.
+    tensor_passes: int | None = 2
+    traffic: str = "read x, write y"
+    goal_ms: float | None = None  # on an H200 at the full shapes; None: a relative goal
+    goal_text: str = ""  # the relative goal, e.g. "<= eager"
+    measure: str = "throughput"  # or "overhead": per-call time of back-to-back calls
+
+    def shapes(self, quick: bool) -> tuple[Shape, ...]:
+        """Input shapes for a full or a `--quick` run."""
+        if quick and self.quick_input_shapes is not None:
+            return self.quick_input_shapes
+        return self.input_shapes
+
+
+def shape_text(shape: Shape) -> str:
+    """`16x320x64x64`-style text."""
+    return "x".join(str(d) for d in shape)
+
+
+_IN_NCHW = (112, 64, 512, 512)
+_IN_NCHW_QUICK = (28, 64, 512, 512)
+_BN_NCHW = (64, 64, 512, 512)
+_BN_NCHW_QUICK = (16, 64, 512, 512)
+_SEED002_ROWS = (1024, 8192)
+_FWDBWD_NCHW = (32, 64, 256, 256)
+_SD_GROUPNORM = (16, 320, 64, 64)
+_FWDBWD_TRAFFIC = "fwd: read x, write y; bwd: read x, read dy, write dx (5 passes)"
+
+WORKLOADS: tuple[Workload, ...] = (
+    Workload(
+        name="instancenorm2d_fp32",
+        title="InstanceNorm2d(64) fp32 fwd",
+        **_same_module("InstanceNorm2d", 64),
+        input_shapes=(_IN_NCHW,),
+        quick_input_shapes=(_IN_NCHW_QUICK,),
+        goal_ms=3.9,
+    ),
+    Workload(
+        name="groupnorm8_fp32",
+        title="GroupNorm(8, 64) fp32 fwd",
+        **_same_module("GroupNorm", 8, 64),
+        input_shapes=(_IN_NCHW,),
+        quick_input_shapes=(_IN_NCHW_QUICK,),
+        goal_ms=3.9,
+    ),
+    Workload(
+        name="batchnorm2d_train_fp32",
+        title="BatchNorm2d(64) training fp32 fwd",
+        **_same_module("BatchNorm2d", 64),
+        input_shapes=(_BN_NCHW,),
+        quick_input_shapes=(_BN_NCHW_QUICK,),
+        goal_ms=3.1,
+    ),
+    Workload(
+        name="row_norm_add_mul_fp32",
+        title="seed-002 tail: row instance norm over 8192 features, then (x + y) * y, fp32",
+        eager=ModuleSpec("bench", "Seed002Tail", (8192,), (("eps", 1e-5), ("momentum", 0.1))),
+        cupynorm=ModuleSpec("cupynorm.torch", "RowNormAddMul", (), (("eps", 1e-5),)),
+        input_shapes=(_SEED002_ROWS, _SEED002_ROWS),
+        tensor_passes=3,
+        traffic="read x, read y, write out (3 passes)",
+        goal_ms=0.030,
+    ),
+    Workload(
+        name="groupnorm32_fp16_cl",
+        title="GroupNorm(32, 320) fp16 channels_last fwd",
+        **_same_module("GroupNorm", 32, 320),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        channels_last=True,
+        goal_ms=0.025,
+    ),
+    Workload(
+        name="groupnorm32_fp16",
+        title="GroupNorm(32, 320) fp16 NCHW fwd",
+        **_same_module("GroupNorm", 32, 320),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        goal_ms=0.025,
+    ),
+    Workload(
+        name="batchnorm2d_train_fp16_cl",
+        title="BatchNorm2d(64) training fp16 channels_last fwd",
+        **_same_module("BatchNorm2d", 64),
+        input_shapes=((256, 64, 112, 112),),
+        dtype="float16",
+        channels_last=True,
+        goal_ms=0.31,
+    ),
+    Workload(
+        name="instancenorm2d_affine_fwdbwd_fp32",
+        title="InstanceNorm2d(64, affine=True) fp32 fwd+bwd",
+        **_same_module("InstanceNorm2d", 64, affine=True),
+        input_shapes=(_FWDBWD_NCHW,),
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.75,
+    ),
+    Workload(
+        name="batchnorm2d_fwdbwd_fp32",
+        title="BatchNorm2d(64) training fp32 fwd+bwd",
+        **_same_module("BatchNorm2d", 64),
+        input_shapes=(_FWDBWD_NCHW,),
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=1.15,
+    ),
+    Workload(
+        name="groupnorm32_fwdbwd_fp16",
+        title="GroupNorm(32, 320) fp16 fwd+bwd",
+        **_same_module("GroupNorm", 32, 320),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.07,
+    ),
+    Workload(
+        name="seed002_model_fp32",
+        title="seed-002 model: Linear(8192, 8192) 'bmm' + the tail, fp32, batch 1024",
+        eager=ModuleSpec("bench", "Seed002Model", (8192, 8192)),
+        cupynorm=ModuleSpec("bench", "Seed002ModelCupynorm", (8192, 8192)),
+        input_shapes=(_SEED002_ROWS, _SEED002_ROWS),
+        tensor_passes=None,
+        traffic="GEMM-bound: no TB/s",
+        goal_text="<= eager",
+    ),
+    Workload(
+        name="module_overhead",
+        title="InstanceNorm2d(64) fp32 8x64x32x32 module call, per-call time (host overhead)",
+        **_same_module("InstanceNorm2d", 64),
+        input_shapes=((8, 64, 32, 32),),
+        tensor_passes=None,
+        traffic="host overhead: no TB/s",
+        goal_text="<= eager",
+        measure="overhead",
+    ),
+)
+
+WORKLOADS_BY_NAME: dict[str, Workload] = {w.name: w for w in WORKLOADS}
+
+
+# ------------------------------------------------------------------------------------------------
+# The models group: whole training steps (run by `cupynorm.bench.train`)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelWorkload:
+    """A whole training step of a model, with torch's norm layers and with cupynorm's.
+
+    The step: zero the gradients, forward (under autocast when `autocast` is set), loss, backward,
+    an SGD step with momentum; in the modes eager, graphed (CUDA graph) and compile.
+    """
+
+    name: str
+    title: str
+    model: str  # key of `cupynorm.bench.models.MODEL_FACTORIES`
+    input_shape: Shape  # the batch fed to each step
+    dtype: str = "float32"  # of the parameters and the input
+    autocast: str | None = None  # autocast dtype ("bfloat16", "float16"), None: no autocast
+    channels_last: bool = False
+    loss: str = "cross_entropy"  # on random labels; or "mse" against a random target
+    num_classes: int = 1000  # cross_entropy only
+    lr: float = 0.01
+    # Batch of the fp32 / float64 accuracy check (None: the row's batch). float64 activations of
+    # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
+    accuracy_batch: int | None = None
+    goal_text: str = ""  # e.g. ">= 1.15x torch eager"
+
+    def describe_input(self) -> str:
+        """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""
+        text = f"{shape_text(self.input_shape)} {self.dtype}"
+        if self.autocast:
+            text += f", {self.autocast} autocast"
+        if self.channels_last:
+            text += ", channels_last"
+        return text
+
+
+_RESNET50_TITLE = "torchvision resnet50() training step (53 BatchNorm2d), bf16 autocast, SGD"
+_GN_BLOCKS_TITLE = (
+    "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
+    "8 GroupNorm) training step, fp16, SGD"
+)
+
+MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
+    ModelWorkload(
+        name="resnet50_b64_bf16_cl",
+        title=_RESNET50_TITLE,
+        model="resnet50",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        goal_text=">= 1.15x torch (eager and graphed)",
+    ),
+    ModelWorkload(
+        name="resnet50_b256_bf16_cl",
+        title=_RESNET50_TITLE,
+        model="resnet50",
+        input_shape=(256, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        accuracy_batch=64,
+        goal_text=">= 1.15x torch (eager and graphed)",
+    ),
+    ModelWorkload(
+        name="gn_blocks_fp16_cl",
+        title=_GN_BLOCKS_TITLE,
+        model="gn_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        channels_last=True,
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
+        name="gn_blocks_fp16",
+        title=_GN_BLOCKS_TITLE,
+        model="gn_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        loss="mse",
+        lr=1e-5,
+    ),
+)
+
+MODEL_WORKLOADS_BY_NAME: dict[str, ModelWorkload] = {w.name: w for w in MODEL_WORKLOADS}
+
+
+def workload_groups() -> dict[str, tuple[str, ...]]:
+    """Names `--only` accepts for several workloads at once: "kernels" (every workload of the
+    default run) and "models" (the whole training steps, which run only when named)."""
+    return {
+        "kernels": tuple(w.name for w in WORKLOADS),
+        "models": tuple(w.name for w in MODEL_WORKLOADS),
+    }
+
+
+def select_workloads(only: Sequence[str] | None) -> list[Workload | ModelWorkload]:
+    """The workloads named by `--only` (repeatable, comma lists, group names), in registry order
+    (the kernel workloads, then the models).
+
+    None or an empty selection means the kernel workloads (the models group runs only when
+    named). Raises ValueError naming unknown workloads.
+    """
+    if not only:
+        return list(WORKLOADS)
+    wanted: list[str] = []
+    for item in only:
+        wanted.extend(name.strip() for name in item.split(",") if name.strip())
+    if not wanted:
+        return list(WORKLOADS)
+    groups = workload_groups()
+    every: list[Workload | ModelWorkload] = [*WORKLOADS, *MODEL_WORKLOADS]
+    known = {w.name for w in every}
+    unknown = [name for name in wanted if name not in known and name not in groups]
+    if unknown:
+        raise ValueError(
+            f"unknown workload(s): {', '.join(unknown)}; "
+            f"choose from: {', '.join(w.name for w in every)}; "
+            f"or a group: {', '.join(groups)}"
+        )
+    chosen: set[str] = set()
+    for name in wanted:
+        chosen.update(groups.get(name, (name,)))
+    return [w for w in every if w.name in chosen]
+
+
+def bytes_moved(workload: Workload, quick: bool = False) -> int | None:
+    """Bytes that define TB/s: `tensor_passes` passes over the first input; None if not counted."""
+    if workload.tensor_passes is None:
+        return None
+    numel = math.prod(workload.shapes(quick)[0])
+    return workload.tensor_passes * numel * ITEMSIZE[workload.dtype]
+
+
+def goal_ms_for_run(
+    workload: Workload, quick: bool, copy_tbps: float | None, gpu_name: str
+) -> float | None:
+    """The millisecond goal that applies to this run, or None for a relative goal.
+
+    The goals are H200 numbers at the full shapes. A `--quick` shape scales the goal by its share
+    of the bytes; another GPU scales it by H200_COPY_TBPS / its measured copy bandwidth.
+    """
+    if workload.goal_ms is None:
+        return None
+    goal = workload.goal_ms
+    full_bytes = bytes_moved(workload, quick=False)
+    run_bytes = bytes_moved(workload, quick=quick)
+    if full_bytes and run_bytes:
+        goal *= run_bytes / full_bytes
+    if "H200" not in gpu_name and copy_tbps:
+        goal *= H200_COPY_TBPS / copy_tbps
+    return goal

@@ -1,0 +1,444 @@
+"""The bench's models group (`--only models`) without a GPU: selection, kernel accounting,
+failure rules, the table and JSON, and a dry run of whole training steps on the CPU through the
+bench's device facade (tiny models, no timing assertions)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from test_bench_cpu import CpuStandIn, _table_cells
+
+from cupynorm import bench
+from cupynorm.__main__ import main
+from cupynorm.bench import train
+
+MODEL_NAMES = [
+    "resnet50_b64_bf16_cl",
+    "resnet50_b256_bf16_cl",
+    "gn_blocks_fp16_cl",
+    "gn_blocks_fp16",
+]
+
+# ------------------------------------------------------------------------------------------------
+# Registry and selection
+# ------------------------------------------------------------------------------------------------
+
+
+def test_model_workloads() -> None:
+    assert [w.name for w in bench.MODEL_WORKLOADS] == MODEL_NAMES
+    by_name = bench.MODEL_WORKLOADS_BY_NAME
+    b64, b256 = by_name["resnet50_b64_bf16_cl"], by_name["resnet50_b256_bf16_cl"]
+    assert b64.input_shape == (64, 3, 224, 224) and b256.input_shape == (256, 3, 224, 224)
+    assert b64.model == b256.model == "resnet50"
+    assert b64.autocast == "bfloat16" and b64.channels_last and b64.loss == "cross_entropy"
+    assert b256.accuracy_batch == 64
+    gn_cl, gn = by_name["gn_blocks_fp16_cl"], by_name["gn_blocks_fp16"]
+    assert gn_cl.input_shape == gn.input_shape == (16, 320, 64, 64)
+    assert gn_cl.dtype == gn.dtype == "float16" and gn_cl.autocast is None
+    assert gn_cl.channels_last and not gn.channels_last
+    for workload in bench.MODEL_WORKLOADS:
+        assert workload.model in bench.models.MODEL_FACTORIES
+
+
+def test_models_group_is_not_in_the_default_run() -> None:
+    assert bench.select_workloads(None) == list(bench.WORKLOADS)
+    chosen = bench.select_workloads(["models"])
+    assert [w.name for w in chosen] == MODEL_NAMES
+
+
+def test_models_group_beside_other_names_in_registry_order() -> None:
+    chosen = bench.select_workloads(["gn_blocks_fp16,models", "module_overhead"])
+    assert [w.name for w in chosen] == ["module_overhead", *MODEL_NAMES]
+    chosen = bench.select_workloads(["gn_blocks_fp16,kernels"])
+    assert [w.name for w in chosen] == [w.name for w in bench.WORKLOADS] + ["gn_blocks_fp16"]
+
+
+def test_unknown_name_lists_models_and_groups() -> None:
+    with pytest.raises(ValueError, match="resnet50_b64_bf16_cl.*or a group: kernels, models"):
+        bench.select_workloads(["nope"])
+
+
+def test_list_shows_the_models_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "--only models" in out and "groups: kernels (12), models (4)" in out
+    for name in MODEL_NAMES:
+        assert name in out
+
+
+def test_gn_blocks_model_shape() -> None:
+    torch = pytest.importorskip("torch")
+    workload = dataclasses.replace(
+        bench.MODEL_WORKLOADS_BY_NAME["gn_blocks_fp16"], input_shape=(2, 64, 8, 8)
+    )
+    model = bench.models.build_model(workload)
+    assert bench.models.count_norm_layers(model) == 8
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert {(m.num_groups, m.num_channels) for m in norms} == {(32, 64)}
+    x = torch.randn(2, 64, 8, 8)
+    assert model(x).shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel accounting, accuracy rule, failure rule
+# ------------------------------------------------------------------------------------------------
+
+TORCH_BN = "void at::native::batch_norm_collect_statistics_channels_last_kernel<float>(...)"
+CUDNN_BN = "cudnn::bn_fw_tr_1C11_singleread_spec<__nv_bfloat16, 512, true, 1, 2, 0>"
+TORCH_GN = "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<c10::Half>(...)"
+TORCH_GN_LAMBDA = (
+    "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<"
+    "at::native::(anonymous namespace)::GroupNorm1dForward<c10::Half>(...)::{lambda()#1}>(...)"
+)
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1"
+ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        TORCH_BN,
+        CUDNN_BN,
+        TORCH_GN,
+        TORCH_GN_LAMBDA,
+        "void at::native::welford_kernel_c_last<float, float, float, 4, 4>",
+        "strided_norm_stats_cols",
+        "segment_norm_fwd_affine",
+        "strided_norm_bwd_finalize",
+    ],
+)
+def test_norm_kernels_are_recognized(name: str) -> None:
+    assert train.is_norm_kernel(name)
+
+
+@pytest.mark.parametrize("name", [GEMM, ADD, "Memcpy DtoD (Device -> Device)"])
+def test_other_kernels_are_not_norm_kernels(name: str) -> None:
+    assert not train.is_norm_kernel(name)
+
+
+def test_cupynorm_kernel_names_match_the_patterns() -> None:
+    """Every `extern "C" __global__` kernel in cuda_src counts as a norm kernel."""
+    import re
+
+    sources = Path(__file__).resolve().parents[1] / "cuda_src"
+    names = set()
+    for path in sources.glob("*.cu"):
+        text = path.read_text()
+        names.update(
+            re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)', text)
+        )
+    assert len(names) >= 10
+    assert [name for name in names if not train.is_norm_kernel(name)] == []
+
+
+def test_summarize_kernels_per_step() -> None:
+    events = [(TORCH_BN, 100.0), (GEMM, 300.0), (TORCH_BN, 50.0), (ADD, 10.0), (CUDNN_BN, 40.0)]
+    summary = train.summarize_kernels(events, steps=2)
+    assert summary.kernel_ms == pytest.approx(0.25)
+    assert summary.norm_kernel_ms == pytest.approx(0.095)
+    assert summary.kernels == 2.5 and summary.norm_kernels == 1.5
+    assert list(summary.norm_kernel_ms_by_name) == [TORCH_BN, CUDNN_BN]
+    assert summary.norm_kernel_ms_by_name[TORCH_BN] == pytest.approx(0.075)
+
+
+def test_real_facade_keeps_cuda_kernels_only() -> None:
+    pytest.importorskip("torch")
+    from torch.autograd import DeviceType
+
+    def event(name: str, device_type, us: float, annotation=False) -> types.SimpleNamespace:
+        span = types.SimpleNamespace(elapsed_us=lambda: us)
+        return types.SimpleNamespace(
+            name=name, device_type=device_type, time_range=span, is_user_annotation=annotation
+        )
+
+    profiler = types.SimpleNamespace(
+        events=lambda: [
+            event("aten::batch_norm", DeviceType.CPU, 90.0),
+            event(TORCH_BN, DeviceType.CUDA, 12.0),
+            event("Memcpy HtoD (Pageable -> Device)", DeviceType.CUDA, 5.0),
+            event("Memset (Device)", DeviceType.CUDA, 1.0),
+            event("Optimizer.step#SGD.step", DeviceType.CUDA, 300.0, annotation=True),
+            event("strided_norm_apply_cols", DeviceType.CUDA, 7.0),
+        ]
+    )
+    kernels = bench.CudaDevice().kernel_events(profiler)
+    assert kernels == [(TORCH_BN, 12.0), ("strided_norm_apply_cols", 7.0)]
+
+
+def test_accuracy_rule() -> None:
+    check = bench.AccuracyCheck(
+        batch=2, output_torch=1e-5, output_cupynorm=2e-5, grad_torch=0.02, grad_cupynorm=0.01
+    )
+    assert check.ok
+    check.output_cupynorm = 2.1e-5 + bench.checking.ACCURACY_FLOOR
+    assert not check.output_ok and not check.ok
+    check.output_cupynorm = 0.0
+    check.grad_cupynorm = math.nan
+    assert not check.grad_ok
+    # errors near zero: the floor keeps equal-to-rounding results passing
+    assert bench.checking.accuracy_ok(5e-7, 0.0)
+
+
+def _model_result(**steps: tuple[float | None, str | None]) -> bench.ModelResult:
+    """A ModelResult with steps given as mode_impl=(ms, error)."""
+    result = bench.ModelResult(bench.MODEL_WORKLOADS[0], quick=False, norm_layers=53)
+    for key, (ms, error) in steps.items():
+        mode, impl = key.split("_")
+        result.steps.append(bench.StepResult(mode, impl, ms=ms, error=error))
+    return result
+
+
+def test_failure_rule() -> None:
+    ok = _model_result(eager_torch=(30.0, None), eager_cupynorm=(36.0, None))
+    assert not ok.failed
+    capture_failed = _model_result(
+        graphed_torch=(20.0, None), graphed_cupynorm=(None, "RuntimeError: capture")
+    )
+    assert capture_failed.failure() == "cupynorm failed in mode graphed: RuntimeError: capture"
+    both_failed = _model_result(
+        compile_torch=(None, "BackendCompilerFailed"), compile_cupynorm=(None, "also")
+    )
+    assert not both_failed.failed  # torch failing too is not cupynorm's failure
+    setup = bench.ModelResult(bench.MODEL_WORKLOADS[0], quick=False, error="setup failed: x")
+    assert setup.failure() == "setup failed: x"
+    inaccurate = _model_result(eager_torch=(30.0, None), eager_cupynorm=(36.0, None))
+    inaccurate.accuracy = bench.AccuracyCheck(2, 1e-5, 1e-3, 1e-3, 1e-3)
+    assert "less accurate than torch" in inaccurate.failure()
+
+
+def test_models_table_and_json_on_fake_numbers() -> None:
+    result = _model_result(
+        eager_torch=(30.0, None),
+        eager_cupynorm=(24.0, None),
+        graphed_torch=(20.0, None),
+        graphed_cupynorm=(None, "RuntimeError: operation not permitted when stream is capturing"),
+    )
+    result.accuracy = bench.AccuracyCheck(64, 2.4e-5, 2.5e-5, 0.02, 0.05)
+    eager_cupynorm = result.step("eager", "cupynorm")
+    eager_cupynorm.kernel_ms, eager_cupynorm.norm_kernel_ms = 14.6, 7.8
+    eager_cupynorm.host_us, eager_cupynorm.norm_kernels = 24000.0, 318.0
+    missing = bench.ModelResult(
+        bench.MODEL_WORKLOADS[2], quick=False, error="setup failed: ModuleNotFoundError: x"
+    )
+    rows = _table_cells(bench.format_models_table([result, missing]))
+    assert rows[0] == list(bench.MODEL_TABLE_COLUMNS)
+    assert all(len(row) == len(bench.MODEL_TABLE_COLUMNS) for row in rows)
+    by_key = {tuple(row[:3]): row for row in rows[2:]}
+    cupynorm = by_key[("resnet50_b64_bf16_cl", "eager", "cupynorm")]
+    assert cupynorm[3:] == [
+        "24",
+        "1.25x",
+        "14.6",
+        "7.8",
+        "24000",
+        "6.0",
+        "2.5e-05",
+        "0.05 (> 2x torch)",
+    ]
+    torch_row = by_key[("resnet50_b64_bf16_cl", "eager", "torch")]
+    assert torch_row[4] == "1.00x" and torch_row[9:] == ["2.4e-05", "0.02"]
+    graphed = by_key[("resnet50_b64_bf16_cl", "graphed", "cupynorm")]
+    assert graphed[3].startswith("ERROR: RuntimeError: operation not permitted")
+    assert graphed[9:] == ["", ""]  # accuracy only on eager rows
+    assert (
+        by_key[("gn_blocks_fp16_cl", "-", "-")][3] == "ERROR: setup failed: ModuleNotFoundError: x"
+    )
+
+    report = bench.results_to_json(
+        [], environment={"gpu": "X"}, copy_tbps=None, quick=False, exit_code=1, models=[result]
+    )
+    loaded = json.loads(json.dumps(report, allow_nan=False))
+    model = loaded["models"][0]
+    assert model["norm_layers"] == 53 and model["accuracy"]["ok"] is False
+    steps = {(s["mode"], s["impl"]): s for s in model["steps"]}
+    assert steps[("eager", "cupynorm")]["speedup_vs_torch"] == pytest.approx(1.25)
+    assert steps[("eager", "cupynorm")]["norm_launches_per_layer"] == pytest.approx(6.0)
+    assert "less accurate" in model["failure"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Dry run on the CPU
+# ------------------------------------------------------------------------------------------------
+
+
+def _tiny_bn_net(workload: bench.ModelWorkload):
+    """Stands in for resnet50: convs with BatchNorm2d, pooled to class logits."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, workload.num_classes),
+    )
+
+
+def _tiny_model_workload(workload: bench.ModelWorkload) -> bench.ModelWorkload:
+    if workload.model == "resnet50":
+        return dataclasses.replace(
+            workload, input_shape=(2, 3, 16, 16), num_classes=10, accuracy_batch=None
+        )
+    # NCHW: torch 2.13's CPU GroupNorm backward segfaults on a channels_last input that needs no
+    # gradient (GroupNorm(32, 64) on a channels_last 2x64x8x8, then .sum().backward()), and the
+    # first block's input is the batch. fp32: the CPU's fp16 kernels are not what is tested here.
+    return dataclasses.replace(
+        workload, input_shape=(2, 64, 8, 8), dtype="float32", channels_last=False
+    )
+
+
+@pytest.fixture
+def models_dry_run(monkeypatch: pytest.MonkeyPatch):
+    """The bench on the CPU: the device facade swapped, tiny models and batches, few steps."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
+    monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
+    monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
+    tiny = tuple(_tiny_model_workload(w) for w in bench.MODEL_WORKLOADS)
+    monkeypatch.setattr(bench.workloads, "MODEL_WORKLOADS", tiny)
+    monkeypatch.setattr(train, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "HOST_STEPS", 2)
+    # dynamo traces the models on the CPU; inductor's C++ compile would take minutes
+    monkeypatch.setattr(train, "COMPILE_OPTIONS", {"backend": "eager"})
+
+    def substitute_resnet50() -> None:
+        monkeypatch.setitem(bench.models.MODEL_FACTORIES, "resnet50", _tiny_bn_net)
+
+    return substitute_resnet50
+
+
+def _models_table(out: str) -> list[list[str]]:
+    return _table_cells(out[out.index("| model |") :].strip())
+
+
+def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> None:
+    torch = pytest.importorskip("torch")
+    models_dry_run()
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    before = dict(vars(torch.cuda))
+    json_path = tmp_path / "models.json"
+    exit_code = main(["bench", "--reps", "2", "--only", "models", "--json", str(json_path)])
+    captured = capsys.readouterr()
+    assert exit_code == 0, captured.err
+    # the bench restored what it changed, and changed nothing of torch.cuda's
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
+    after = vars(torch.cuda)
+    assert [name for name, value in before.items() if after.get(name) is not value] == []
+
+    assert "[4/4] gn_blocks_fp16 done" in captured.err
+    assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
+    assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
+    assert "Models: whole training steps" in captured.out
+    rows = _models_table(captured.out)
+    assert len(rows) == 2 + 4 * 3 * 2
+    body = rows[2:]
+    assert all("ERROR" not in cell for row in body for cell in row), captured.out
+    keys = [tuple(row[:3]) for row in body]
+    for name in MODEL_NAMES:
+        for mode in ("eager", "graphed", "compile"):
+            assert (name, mode, "torch") in keys and (name, mode, "cupynorm") in keys
+    for row in body:
+        assert float(row[3]) > 0 and row[4].endswith("x")
+        eager_only = row[5:]
+        if row[1] == "eager":
+            assert all(cell not in ("-", "") for cell in eager_only), row
+            assert float(row[8]) > 0  # norm launches per layer
+        else:
+            assert eager_only == ["-", "-", "-", "-", "", ""], row
+
+    report = json.loads(json_path.read_text())
+    assert report["exit_code"] == 0 and report["workloads"] == []
+    assert [m["name"] for m in report["models"]] == MODEL_NAMES
+    for model in report["models"]:
+        assert model["error"] is None and model["failure"] is None
+        assert model["accuracy"]["ok"] and model["accuracy"]["batch"] == 2
+        assert model["norm_layers"] == (2 if model["model"] == "resnet50" else 8)
+        assert len(model["steps"]) == 6
+        eager = [s for s in model["steps"] if s["mode"] == "eager"]
+        assert all(s["host_us"] > 0 and s["norm_kernel_ms_by_name"] for s in eager)
+        compiled = [s for s in model["steps"] if s["mode"] == "compile"]
+        assert all(s["setup_s"] is not None and s["reps"] == 2 for s in compiled)
+
+
+def test_missing_torchvision_is_an_error_row_and_exit_1(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    # the fixture swaps the device only: the real resnet50 factory imports torchvision
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails
+    argv = ["bench", "--reps", "2", "--no-compile", "--only", "resnet50_b64_bf16_cl,gn_blocks_fp16"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    rows = {tuple(row[:3]): row for row in _models_table(captured.out)[2:]}
+    error_row = rows[("resnet50_b64_bf16_cl", "-", "-")]
+    assert error_row[3].startswith("ERROR: setup failed: ModuleNotFoundError")
+    assert "torchvision" in error_row[3]
+    # the other model still ran, eager and graphed (no compile)
+    assert {key for key in rows if key[0] == "gn_blocks_fp16"} == {
+        ("gn_blocks_fp16", mode, impl)
+        for mode in ("eager", "graphed")
+        for impl in ("torch", "cupynorm")
+    }
+    assert "FAILED resnet50_b64_bf16_cl: setup failed: ModuleNotFoundError" in captured.err
+
+
+def _wrong_replace_norms(torch: types.ModuleType):
+    class WrongBatchNorm2d(torch.nn.BatchNorm2d):
+        def forward(self, x):
+            return super().forward(x) + 0.01
+
+    def replace_norms(model):
+        for module in model.modules():
+            if type(module) is torch.nn.BatchNorm2d:
+                module.__class__ = WrongBatchNorm2d
+        return model
+
+    return replace_norms
+
+
+def test_less_accurate_cupynorm_fails_the_row(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    torch = pytest.importorskip("torch")
+    models_dry_run()
+    fake = types.ModuleType("cupynorm.torch")
+    fake.replace_norms = _wrong_replace_norms(torch)
+    monkeypatch.setitem(sys.modules, "cupynorm.torch", fake)
+    argv = ["bench", "--reps", "2", "--no-compile", "--only", "resnet50_b64_bf16_cl"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "WORSE THAN 2x TORCH" in captured.err
+    assert "FAILED resnet50_b64_bf16_cl: cupynorm less accurate than torch" in captured.err
+    rows = {tuple(row[:3]): row for row in _models_table(captured.out)[2:]}
+    assert rows[("resnet50_b64_bf16_cl", "eager", "cupynorm")][9].endswith("(> 2x torch)")
+
+
+def test_a_failing_mode_is_that_cell_only(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    models_dry_run()
+    stand_in = bench.timing.cuda
+
+    def capture_graph(step, warmup):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(stand_in, "capture_graph", capture_graph)
+    argv = ["bench", "--reps", "2", "--no-compile", "--only", "gn_blocks_fp16_cl"]
+    # torch's capture fails too, so it is not cupynorm's failure
+    assert main(argv) == 0
+    rows = {tuple(row[:3]): row for row in _models_table(capsys.readouterr().out)[2:]}
+    for impl in ("torch", "cupynorm"):
+        assert rows[("gn_blocks_fp16_cl", "graphed", impl)][3].startswith(
+            "ERROR: RuntimeError: operation not permitted"
+        )
+        assert "ERROR" not in rows[("gn_blocks_fp16_cl", "eager", impl)][3]
