@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cupynorm
 import cupynorm.torch as cnt
-from cupynorm.torch import _ops
+from cupynorm.torch import _autograd, _kernels, _library, _reference
+from cupynorm.torch import functional as cnf
 
 PAIRS = [
     (cnt.BatchNorm1d, nn.BatchNorm1d),
@@ -138,15 +139,15 @@ def _inputs(shape, n=3, dtype=torch.float32, seed=1, channels_last=False):
 @pytest.fixture
 def kernels(monkeypatch):
     """Send CPU tensors down the CUDA route (eager fast path), onto the reference kernels."""
-    monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
 
 
 @pytest.fixture(params=["eager", "custom_op"])
 def kernel_path(request, monkeypatch):
     """The CUDA route on CPU tensors, through the eager Functions or the custom ops."""
-    monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
     if request.param == "custom_op":
-        monkeypatch.setattr(_ops, "_traced", lambda x: True)
+        monkeypatch.setattr(cnf, "_traced", lambda x: True)
     return request.param
 
 
@@ -417,9 +418,9 @@ def _op_samples():
     w3, b3 = r(3, dtype=torch.float64, grad=True), r(3, dtype=torch.float64, grad=True)
     rm, rv = torch.zeros(6), torch.ones(6)
     rm3, rv3 = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    gn = _ops.group_norm_fwd_op
-    inorm = _ops.instance_norm_fwd_op
-    bn = _ops.batch_norm_fwd_op
+    gn = _library.group_norm_fwd_op
+    inorm = _library.instance_norm_fwd_op
+    bn = _library.batch_norm_fwd_op
     return [
         ("gn", gn, (x4, 3, w, b, 1e-5)),
         ("gn_cl", gn, (xcl, 2, None, b, 1e-5)),
@@ -436,18 +437,26 @@ def _op_samples():
             (r(5, 3, dtype=torch.float64, grad=True), w3, b3, rm3, rv3, True, 0.1, 1e-5),
         ),
         ("bn_bf16", bn, (r(4, 6, 3).bfloat16(), None, None, rm, rv, True, 0.1, 1e-5)),
-        ("row", _ops.row_norm_add_mul_fwd_op, (r(3, 5, 7, grad=True), r(3, 5, 7, grad=True), 1e-5)),
+        (
+            "row",
+            _library.row_norm_add_mul_fwd_op,
+            (r(3, 5, 7, grad=True), r(3, 5, 7, grad=True), 1e-5),
+        ),
         (
             "gn_bwd",
-            _ops.group_norm_bwd_op,
+            _library.group_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(3, 3), r(3, 3).abs(), r(6), 3, [True, False, True]),
         ),
         (
             "bn_bwd",
-            _ops.batch_norm_bwd_op,
+            _library.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs(), None, True, [True, False, False]),
         ),
-        ("row_bwd", _ops.row_norm_add_mul_bwd_op, (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs())),
+        (
+            "row_bwd",
+            _library.row_norm_add_mul_bwd_op,
+            (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs()),
+        ),
     ]
 
 
@@ -469,25 +478,27 @@ def test_gradcheck_reference_ops_both_paths():
         return rm.clone(), rv.clone()
 
     funcs = {
-        "gn_op": lambda x, w, b: _ops.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
-        "gn_fn": lambda x, w, b: _ops._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
-        "in_op": lambda x, w, b: _ops.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[0],
-        "in_fn": lambda x, w, b: _ops._InstanceNormFunction.apply(x, w, b, *stats(), 0.1, 1e-5)[0],
+        "gn_op": lambda x, w, b: _library.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
+        "gn_fn": lambda x, w, b: _autograd._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
+        "in_op": lambda x, w, b: _library.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[0],
+        "in_fn": lambda x, w, b: _autograd._InstanceNormFunction.apply(
+            x, w, b, *stats(), 0.1, 1e-5
+        )[0],
     }
     for training in (True, False):
-        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _ops.batch_norm_fwd_op(
+        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _library.batch_norm_fwd_op(
             x, w, b, *stats(), t, 0.1, 1e-5
         )[0]
-        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: _ops._BatchNormFunction.apply(
+        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: _autograd._BatchNormFunction.apply(
             x, w, b, *stats(), t, 0.1, 1e-5
         )[0]
     for name, f in funcs.items():
         assert torch.autograd.gradcheck(f, (x, w, b)), name
     assert torch.autograd.gradcheck(
-        lambda x, y: _ops.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _library.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
     )
     assert torch.autograd.gradcheck(
-        lambda x, y: _ops._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _autograd._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
     )
 
 
@@ -518,18 +529,18 @@ def test_fake_cuda_tensors_shapes_and_layouts():
         )
         assert y.shape == (4, 6, 7)
 
-        y, mean, rstd = _ops.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
+        y, mean, rstd = _library.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
         assert mean.shape == rstd.shape == (4, 2) and mean.dtype == torch.float32
-        y, mean, rstd = _ops.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
+        y, mean, rstd = _library.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
         assert mean.dtype == torch.float64
-        y, mean, rstd, nm, nv = _ops.batch_norm_fwd_op(
+        y, mean, rstd, nm, nv = _library.batch_norm_fwd_op(
             xcl.half(), None, None, None, None, True, 0.1, 1e-5
         )
         assert mean.shape == (6,) and mean.dtype == torch.float32 and nm is None and nv is None
         assert y.stride() == xcl.stride()
         odd = torch.empty(4, 5, 6, 7, device="cuda").transpose(2, 3)  # neither layout
         assert cnt.group_norm(odd, 5).is_contiguous()
-        out, mean, rstd = _ops.row_norm_add_mul_fwd_op(x, x, 1e-5)
+        out, mean, rstd = _library.row_norm_add_mul_fwd_op(x, x, 1e-5)
         assert mean.shape == (4, 6, 5)
 
 
@@ -566,7 +577,9 @@ class _LooseHost:
     @staticmethod
     def group_norm_fwd(x, num_groups, weight, bias, eps, *, want_var=False, want_stats=True):
         assert x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)
-        y, mean, rstd, var = _ops._group_norm_fwd_reference(x, num_groups, weight, bias, eps, True)
+        y, mean, rstd, var = _reference._group_norm_fwd_reference(
+            x, num_groups, weight, bias, eps, True
+        )
         y = y.contiguous()  # layout not preserved
         if not want_stats:
             mean = rstd = None
@@ -575,7 +588,7 @@ class _LooseHost:
     @staticmethod
     def group_norm_bwd(dy, x, mean, rstd, weight, num_groups, needs_input_grad):
         assert dy.stride() == x.stride()
-        dx, dw, db = _ops._group_norm_bwd_reference(
+        dx, dw, db = _reference._group_norm_bwd_reference(
             dy, x, mean, rstd, weight, num_groups, needs_input_grad
         )
         return (
@@ -586,7 +599,7 @@ class _LooseHost:
 
     @staticmethod
     def batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps):
-        y, mean, rstd = _ops._batch_norm_fwd_reference(
+        y, mean, rstd = _reference._batch_norm_fwd_reference(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         if not training:
@@ -595,18 +608,18 @@ class _LooseHost:
 
     @staticmethod
     def batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, needs_input_grad):
-        return _ops._batch_norm_bwd_reference(
+        return _reference._batch_norm_bwd_reference(
             dy, x, save_mean, save_rstd, weight, training, needs_input_grad
         )
 
     @staticmethod
     def row_norm_add_mul_fwd(x, y, eps):
-        out, mean, rstd = _ops._row_norm_add_mul_fwd_reference(x, y, eps)
+        out, mean, rstd = _reference._row_norm_add_mul_fwd_reference(x, y, eps)
         return out, mean.reshape(-1), rstd.reshape(-1)  # stats flattened to (rows,)
 
     @staticmethod
     def row_norm_add_mul_bwd(dout, x, y, mean, rstd):
-        dx, dy = _ops._row_norm_add_mul_bwd_reference(
+        dx, dy = _reference._row_norm_add_mul_bwd_reference(
             dout, x, y, mean.reshape(x.shape[:-1]), rstd.reshape(x.shape[:-1])
         )
         return dx.reshape(-1, x.shape[-1]), dy
@@ -621,40 +634,44 @@ def _same_meta(real, fake, what):
 
 
 def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
-    monkeypatch.setattr(_ops, "_host_module", _LooseHost)
+    monkeypatch.setattr(_kernels, "_host_module", _LooseHost)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, 6, 5, 7, generator=g).to(memory_format=torch.channels_last)
     odd = torch.randn(3, 6, 7, 5, generator=g).transpose(2, 3)
     w, b = torch.randn(6, generator=g), torch.randn(12, generator=g)[::2]  # b: strided
     for inp in (x, odd, x.half()):
         ww = w.to(inp.dtype)
-        real = _ops._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
-        _same_meta(real, _ops._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
+        real = _kernels._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
+        _same_meta(real, _kernels._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
         dy = torch.ones(()).expand(inp.shape)  # stride 0
         for mask in ([True, True, True], [True, False, False], [False, True, False]):
             for weight in (ww, None):
                 args = (dy, inp, real[1], real[2], weight, 3, mask)
                 _same_meta(
-                    _ops._group_norm_bwd_cuda(*args), _ops._norm_bwd_fake(*args), f"gn bwd {mask}"
+                    _kernels._group_norm_bwd_cuda(*args),
+                    _kernels._norm_bwd_fake(*args),
+                    f"gn bwd {mask}",
                 )
     rm, rv = torch.zeros(12)[::2], torch.ones(6)  # rm: strided, updated through a copy
     expected_rm = rm.clone()
-    real = _ops._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
-    _ops._batch_norm_fwd_reference(x, w, b, expected_rm, torch.ones(6), True, 0.1, 1e-5)
+    real = _kernels._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
+    _reference._batch_norm_fwd_reference(x, w, b, expected_rm, torch.ones(6), True, 0.1, 1e-5)
     torch.testing.assert_close(rm, expected_rm)
-    _same_meta(real, _ops._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn")
+    _same_meta(real, _kernels._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn")
     running_mean = torch.randn(6)
-    op_kernel = _ops._batch_norm_fwd_op_kernel(_ops._batch_norm_fwd_cuda)
+    op_kernel = _kernels._batch_norm_fwd_op_kernel(_kernels._batch_norm_fwd_cuda)
     y, save_mean, _, new_mean, new_var = op_kernel(x, w, b, running_mean, rv, False, 0.1, 1e-5)
     assert save_mean.data_ptr() != running_mean.data_ptr()  # no op output aliases an input
     assert new_mean is None and new_var is None
     torch.testing.assert_close(save_mean, running_mean)
     xr, yr = torch.randn(2, 3, 7, generator=g), torch.randn(2, 3, 7, generator=g)
-    real = _ops._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
-    _same_meta(real, _ops._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
+    real = _kernels._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
+    _same_meta(real, _kernels._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
     args = (torch.randn(2, 3, 7, generator=g), xr, yr, real[1], real[2])
     _same_meta(
-        _ops._row_norm_add_mul_bwd_cuda(*args), _ops._row_norm_add_mul_bwd_fake(*args), "row bwd"
+        _kernels._row_norm_add_mul_bwd_cuda(*args),
+        _kernels._row_norm_add_mul_bwd_fake(*args),
+        "row bwd",
     )
 
 
@@ -825,7 +842,7 @@ def test_bad_input_dim_errors_equal_torch(ours, theirs, shape):
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["cpu", "kernel_route"])
 def test_instance_norm_num_features_mismatch_like_torch(use_kernels, monkeypatch):
     if use_kernels:
-        monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+        monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
     x = torch.randn(2, 4, 5, 7)
     assert _error(cnt.InstanceNorm2d(3, affine=True), x) == _error(
         nn.InstanceNorm2d(3, affine=True), x
@@ -900,7 +917,7 @@ def _cases_like_torch():
 def test_errors_are_torchs(use_kernels, ours, theirs, monkeypatch):
     """The installed torch's exception (a subclass of its type) and its message, word for word."""
     if use_kernels:
-        monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+        monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
     expected = _raised(theirs)
     error = _raised(ours)
     assert isinstance(error, type(expected)), (type(error), type(expected), str(expected))
@@ -955,7 +972,7 @@ def test_batch_norm_eval_eps_zero_as_torch(kernels):
 def test_functional_error_messages(use_kernels, call, exc, message, monkeypatch):
     """Errors of arguments torch has no counterpart for: cupynorm's own, expected vs got."""
     if use_kernels:
-        monkeypatch.setattr(_ops, "_use_kernels", lambda x: True)
+        monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
     with pytest.raises(exc) as info:
         call()
     assert message in str(info.value)

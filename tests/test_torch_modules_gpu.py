@@ -17,7 +17,7 @@ from small_cnn import SmallCNN
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _ops
+from cupynorm.torch import _autograd, _library
 
 pytestmark = [
     pytest.mark.gpu,
@@ -309,10 +309,10 @@ def test_gradcheck_float64(path):
     def stats():
         return rm.clone(), rv.clone()
 
-    gn = _ops.group_norm_fwd_op if op else _ops._GroupNormFunction.apply
-    inorm = _ops.instance_norm_fwd_op if op else _ops._InstanceNormFunction.apply
-    bn = _ops.batch_norm_fwd_op if op else _ops._BatchNormFunction.apply
-    row = _ops.row_norm_add_mul_fwd_op if op else _ops._RowNormAddMulFunction.apply
+    gn = _library.group_norm_fwd_op if op else _autograd._GroupNormFunction.apply
+    inorm = _library.instance_norm_fwd_op if op else _autograd._InstanceNormFunction.apply
+    bn = _library.batch_norm_fwd_op if op else _autograd._BatchNormFunction.apply
+    row = _library.row_norm_add_mul_fwd_op if op else _autograd._RowNormAddMulFunction.apply
     checks = {
         "group_norm": (lambda x, w, b: gn(x, 3, w, b, 1e-5)[0], (x, w, b)),
         "group_norm_cl": (lambda x, w, b: gn(x, 2, w, b, 1e-5)[0], (xcl, w, b)),
@@ -341,7 +341,11 @@ def test_eager_function_and_custom_op_agree_bitwise():
     (x,) = _inputs((4, 6, 33, 35), torch.float16, n=1)
     w = torch.randn(6, device=DEVICE, dtype=torch.float16, requires_grad=True)
     results = []
-    for fn in (_ops.group_norm_fwd_op, _ops._GroupNormFunction.apply, _ops.group_norm_fwd_op):
+    for fn in (
+        _library.group_norm_fwd_op,
+        _autograd._GroupNormFunction.apply,
+        _library.group_norm_fwd_op,
+    ):
         xg = x.detach().clone().requires_grad_()
         y = fn(xg, 3, w, None, 1e-5)[0]
         (dx, dw) = torch.autograd.grad(y, (xg, w), torch.ones_like(y) * 0.5 + y.detach())
@@ -366,36 +370,40 @@ def _op_samples() -> dict:
     w, b = r(6, grad=True), r(6, grad=True)
     rm, rv = r(6), r(6).abs() + 0.5
     samples = [
-        ("gn", _ops.group_norm_fwd_op, (x, 3, w, b, 1e-5)),
+        ("gn", _library.group_norm_fwd_op, (x, 3, w, b, 1e-5)),
         (
             "gn_cl_half",
-            _ops.group_norm_fwd_op,
+            _library.group_norm_fwd_op,
             (xcl.detach().half().requires_grad_(), 2, None, None, 1e-5),
         ),
         (
             "gn_f32_weight_bf16_x",
-            _ops.group_norm_fwd_op,
+            _library.group_norm_fwd_op,
             (x.detach().bfloat16().requires_grad_(), 3, w, b, 1e-5),
         ),
-        ("in", _ops.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
-        ("bn_train", _ops.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
-        ("bn_train_no_stats", _ops.batch_norm_fwd_op, (x, None, b, None, None, True, 0.1, 1e-5)),
-        ("bn_eval", _ops.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
-        ("bn_2d", _ops.batch_norm_fwd_op, (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5)),
-        ("row", _ops.row_norm_add_mul_fwd_op, (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5)),
+        ("in", _library.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
+        ("bn_train", _library.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
+        (
+            "bn_train_no_stats",
+            _library.batch_norm_fwd_op,
+            (x, None, b, None, None, True, 0.1, 1e-5),
+        ),
+        ("bn_eval", _library.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
+        ("bn_2d", _library.batch_norm_fwd_op, (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5)),
+        ("row", _library.row_norm_add_mul_fwd_op, (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5)),
         (
             "gn_bwd",
-            _ops.group_norm_bwd_op,
+            _library.group_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(3, 3), r(3, 3).abs() + 0.5, r(6), 3, [True, True, True]),
         ),
         (
             "bn_bwd",
-            _ops.batch_norm_bwd_op,
+            _library.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs() + 0.5, None, True, [True, False, False]),
         ),
         (
             "row_bwd",
-            _ops.row_norm_add_mul_bwd_op,
+            _library.row_norm_add_mul_bwd_op,
             (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs() + 0.5),
         ),
     ]

@@ -13,8 +13,8 @@ Example::
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
-from ._ops import batch_norm, group_norm, instance_norm, row_norm_add_mul
 from .convert import replace_norms
+from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
 from .modules import (
     BatchNorm1d,
     BatchNorm2d,

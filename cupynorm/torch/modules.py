@@ -21,7 +21,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ._ops import batch_norm, group_norm, instance_norm, row_norm_add_mul
+from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
 
 __all__ = [
     "BatchNorm1d",

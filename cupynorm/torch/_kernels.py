@@ -1,0 +1,314 @@
+"""Kernels of the cupynorm ops on each device, and the layout rules between them.
+
+``_<op>_fwd_cuda`` / ``_<op>_bwd_cuda`` call the framework-neutral host code
+:mod:`cupynorm._ops` (imported lazily, so ``import cupynorm.torch`` works without CuPy); the
+reference kernels (:mod:`._reference`) are the same math in plain torch and back the ops on the
+CPU; ``_<op>_fake`` are the fake (meta) kernels ``torch.compile`` traces with. ``_<op>_fwd`` /
+``_<op>_bwd`` pick the CUDA or the reference kernel by the input's device.
+
+Layouts: ``y``/``dx`` keep the input's memory format when it is contiguous or channels_last
+(channels_last_3d for 5-D); any other strides are computed on a contiguous copy and the result
+is contiguous. Statistics are float32 (float64 for float64 input): ``mean``/``rstd`` are
+``(N, G)`` for group norm, ``(C,)`` for batch norm, ``x.shape[:-1]`` for the row norm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ._reference import (
+    _batch_norm_bwd_reference,
+    _batch_norm_fwd_reference,
+    _group_norm_bwd_reference,
+    _group_norm_fwd_reference,
+    _instance_norm_fwd_reference,
+    _instance_norm_update,
+    _layout,
+    _param_dtype,
+    _row_norm_add_mul_bwd_reference,
+    _row_norm_add_mul_fwd_reference,
+    _stat_dtype,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes and layouts
+# ---------------------------------------------------------------------------------------------
+def _dense(x: Tensor) -> tuple[Tensor, torch.memory_format]:
+    """``x`` in a layout the kernels take (contiguous copy for other strides) and its format."""
+    fmt = _layout(x)
+    if fmt is None:
+        return x.contiguous(), torch.contiguous_format
+    return x, fmt
+
+
+def _vec(t: Tensor | None) -> Tensor | None:
+    """A per-channel vector the kernels can index directly (they take raw pointers)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _write_back(running: Tensor | None, updated: Tensor | None) -> None:
+    """Copy a running statistic updated on a contiguous copy back into the original."""
+    if updated is not running:
+        running.copy_(updated)
+
+
+def _empty_out(x: Tensor) -> Tensor:
+    """Output/dx allocation matching what the kernels return for input ``x`` (fake kernels)."""
+    return torch.empty_like(x, memory_format=_layout(x) or torch.contiguous_format)
+
+
+_host_module = None
+
+
+def _host():
+    """The host code :mod:`cupynorm._ops`, imported on first use (it needs CuPy)."""
+    global _host_module
+    if _host_module is None:
+        from cupynorm import _ops as host
+
+        _host_module = host
+    return _host_module
+
+
+# ---------------------------------------------------------------------------------------------
+# group norm (instance norm is group norm with G = C)
+#   x viewed as (N, G, M) with M = C/G * prod(spatial); per (n, g):
+#     mean = sum(x) / M,  var = sum((x - mean)^2) / M,  rstd = 1 / sqrt(var + eps)
+#     xhat = (x - mean) * rstd,  y = xhat * weight[c] + bias[c]
+#   backward, with gx = dy * weight[c] and <.> the mean over the group:
+#     dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
+#     dweight[c] = sum_{n, spatial} dy * xhat,  dbias[c] = sum_{n, spatial} dy
+# ---------------------------------------------------------------------------------------------
+def _group_norm_fwd_cuda(
+    x: Tensor,
+    num_groups: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    want_stats: bool = True,
+):
+    """(y, mean, rstd); without ``want_stats`` (no autograd) mean and rstd are None and the
+    kernels skip them where they can."""
+    x, fmt = _dense(x)
+    y, mean, rstd = _host().group_norm_fwd(
+        x, num_groups, _vec(weight), _vec(bias), eps, want_stats=want_stats
+    )
+    return y.contiguous(memory_format=fmt), mean, rstd
+
+
+def _group_norm_bwd_cuda(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    num_groups: int,
+    output_mask: Sequence[bool],
+):
+    x, fmt = _dense(x)
+    dy = dy.contiguous(memory_format=fmt)
+    dx, dweight, dbias = _host().group_norm_bwd(
+        dy, x, mean, rstd, _vec(weight), num_groups, tuple(output_mask)
+    )
+    return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
+
+
+def _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask):
+    """Give the host code's gradients exactly the layout and dtypes the fake kernels promise."""
+    pdtype = _param_dtype(x, weight)
+    dx = dx.contiguous(memory_format=fmt) if output_mask[0] else None
+    dweight = dweight.to(pdtype) if output_mask[1] else None
+    dbias = dbias.to(pdtype) if output_mask[2] else None
+    return dx, dweight, dbias
+
+
+def _group_norm_fwd(x, num_groups, weight, bias, eps):
+    if x.is_cuda:
+        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps)
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)
+
+
+def _group_norm_output(x, num_groups, weight, bias, eps) -> Tensor:
+    """y alone (no autograd)."""
+    if x.is_cuda:
+        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, want_stats=False)[0]
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)[0]
+
+
+def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
+    if x.is_cuda:
+        return _group_norm_bwd_cuda(dy, x, mean, rstd, weight, num_groups, output_mask)
+    return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask)
+
+
+def _group_norm_fwd_fake(x, num_groups, weight, bias, eps):
+    stats = x.new_empty((x.shape[0], num_groups), dtype=_stat_dtype(x.dtype))
+    return _empty_out(x), stats, torch.empty_like(stats)
+
+
+def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
+    c = x.shape[1]
+    pdtype = _param_dtype(x, weight)
+    return (
+        _empty_out(x) if output_mask[0] else None,
+        x.new_empty((c,), dtype=pdtype) if output_mask[1] else None,
+        x.new_empty((c,), dtype=pdtype) if output_mask[2] else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# instance norm with running statistics (training): group norm with G = C, then, like torch
+# (batch norm over the (1, N*C, *) view with the running stats repeated N times, averaged over N):
+#   running_mean = (1 - momentum) * running_mean + momentum * mean_n(mean[n, c])
+#   running_var  = (1 - momentum) * running_var  + momentum * mean_n(var[n, c]) * M / (M - 1)
+# ---------------------------------------------------------------------------------------------
+def _instance_norm_fwd_cuda(x, weight, bias, running_mean, running_var, momentum, eps):
+    x, fmt = _dense(x)
+    y, mean, rstd, var = _host().group_norm_fwd(
+        x, x.shape[1], _vec(weight), _vec(bias), eps, want_var=True
+    )
+    _instance_norm_update(running_mean, running_var, mean, var, math.prod(x.shape[2:]), momentum)
+    return y.contiguous(memory_format=fmt), mean, rstd
+
+
+def _instance_norm_fwd(x, weight, bias, running_mean, running_var, momentum, eps):
+    if x.is_cuda:
+        return _instance_norm_fwd_cuda(x, weight, bias, running_mean, running_var, momentum, eps)
+    return _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _instance_norm_fwd_op_kernel(fwd):
+    """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs."""
+
+    def kernel(x, weight, bias, running_mean, running_var, momentum, eps):
+        new_mean, new_var = running_mean.clone(), running_var.clone()
+        y, mean, rstd = fwd(x, weight, bias, new_mean, new_var, momentum, eps)
+        return y, mean, rstd, new_mean, new_var
+
+    return kernel
+
+
+def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum, eps):
+    y, mean, rstd = _group_norm_fwd_fake(x, x.shape[1], weight, bias, eps)
+    return y, mean, rstd, torch.empty_like(running_mean), torch.empty_like(running_var)
+
+
+# ---------------------------------------------------------------------------------------------
+# batch norm: per channel c over the M = N * prod(spatial) values x[:, c, ...]
+#   training: mean, var (biased) of the batch; running stats get the unbiased var * M / (M - 1)
+#   eval:     mean = running_mean, var = running_var
+#   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
+#   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
+# ---------------------------------------------------------------------------------------------
+def _batch_norm_fwd_cuda(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    x, fmt = _dense(x)
+    mean, var = _vec(running_mean), _vec(running_var)
+    y, save_mean, save_rstd = _host().batch_norm_fwd(
+        x, _vec(weight), _vec(bias), mean, var, training, momentum, eps
+    )
+    if training:
+        _write_back(running_mean, mean)
+        _write_back(running_var, var)
+    return y.contiguous(memory_format=fmt), save_mean, save_rstd
+
+
+def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask):
+    x, fmt = _dense(x)
+    dy = dy.contiguous(memory_format=fmt)
+    dx, dweight, dbias = _host().batch_norm_bwd(
+        dy, x, save_mean, save_rstd, _vec(weight), training, tuple(output_mask)
+    )
+    return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
+
+
+def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    if x.is_cuda:
+        return _batch_norm_fwd_cuda(
+            x, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+    return _batch_norm_fwd_reference(
+        x, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
+def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask):
+    if x.is_cuda:
+        return _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask)
+    return _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask)
+
+
+def _batch_norm_fwd_op_kernel(fwd):
+    """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs."""
+
+    def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps):
+        if not training:
+            y, save_mean, save_rstd = fwd(
+                x, weight, bias, running_mean, running_var, False, momentum, eps
+            )
+            if save_mean.data_ptr() == running_mean.data_ptr():
+                # the host code may hand back running_mean itself as save_mean (fine in eager,
+                # like torch's own eval backward); an op's output must not alias an input
+                save_mean = save_mean.clone()
+            return y, save_mean, save_rstd, None, None
+        new_mean = None if running_mean is None else running_mean.clone()
+        new_var = None if running_var is None else running_var.clone()
+        y, save_mean, save_rstd = fwd(x, weight, bias, new_mean, new_var, True, momentum, eps)
+        return y, save_mean, save_rstd, new_mean, new_var
+
+    return kernel
+
+
+def _batch_norm_fwd_fake(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    stats = x.new_empty((x.shape[1],), dtype=_stat_dtype(x.dtype))
+    new_mean = torch.empty_like(running_mean) if training and running_mean is not None else None
+    new_var = torch.empty_like(running_var) if training and running_var is not None else None
+    return _empty_out(x), stats, torch.empty_like(stats), new_mean, new_var
+
+
+# ---------------------------------------------------------------------------------------------
+# row norm + add + mul (the seed-002 tail): per row of D values
+#   xhat = (x - mean) * rstd,  out = (xhat + y) * y
+#   backward: gx = dout * y;  dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
+#             dy = dout * (xhat + 2 y)
+# ---------------------------------------------------------------------------------------------
+def _row_norm_add_mul_fwd_cuda(x, y, eps):
+    x, y = x.contiguous(), y.contiguous()
+    out, mean, rstd = _host().row_norm_add_mul_fwd(x, y, eps)
+    rows = x.shape[:-1]
+    return out, mean.reshape(rows), rstd.reshape(rows)
+
+
+def _row_norm_add_mul_bwd_cuda(dout, x, y, mean, rstd):
+    dout, x, y = dout.contiguous(), x.contiguous(), y.contiguous()
+    dx, dy = _host().row_norm_add_mul_bwd(dout, x, y, mean, rstd)
+    return dx.reshape(x.shape), dy.reshape(y.shape)
+
+
+def _row_norm_add_mul_fwd(x, y, eps):
+    if x.is_cuda:
+        return _row_norm_add_mul_fwd_cuda(x, y, eps)
+    return _row_norm_add_mul_fwd_reference(x, y, eps)
+
+
+def _row_norm_add_mul_bwd(dout, x, y, mean, rstd):
+    if x.is_cuda:
+        return _row_norm_add_mul_bwd_cuda(dout, x, y, mean, rstd)
+    return _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd)
+
+
+def _row_norm_add_mul_fwd_fake(x, y, eps):
+    stats = x.new_empty(x.shape[:-1], dtype=_stat_dtype(x.dtype))
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return out, stats, torch.empty_like(stats)
+
+
+def _row_norm_add_mul_bwd_fake(dout, x, y, mean, rstd):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(y, memory_format=torch.contiguous_format),
+    )

@@ -1,0 +1,167 @@
+"""The cupynorm custom ops (``torch.ops.cupynorm.*``): schemas, kernels per device, fake kernels
+and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the graph::
+
+    group_norm_fwd(x, num_groups, weight?, bias?, eps) -> (y, mean, rstd)
+    group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
+        -> (dx?, dweight?, dbias?)
+    instance_norm_fwd(x, weight?, bias?, running_mean, running_var, momentum, eps)
+        -> (y, mean, rstd, new_running_mean, new_running_var)   # group norm with G = C
+    batch_norm_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps)
+        -> (y, save_mean, save_rstd, new_running_mean?, new_running_var?)
+    batch_norm_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask)
+        -> (dx?, dweight?, dbias?)
+    row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
+    row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
+
+Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
+input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
+running statistics are functional: they return the updated statistics (computed on copies; None
+where nothing is updated) and the functional layer writes them back with ``copy_``, an ordinary
+in-place op that ``torch.compile`` functionalizes like torch's own buffer updates. The eager fast
+path updates them in place inside the kernel, no copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._autograd import (
+    _batch_norm_setup,
+    _group_norm_setup,
+    _instance_norm_setup,
+    _make_batch_norm_backward,
+    _make_group_norm_backward,
+    _make_row_norm_add_mul_backward,
+    _row_norm_add_mul_setup,
+)
+from ._kernels import (
+    _batch_norm_bwd_cuda,
+    _batch_norm_fwd_cuda,
+    _batch_norm_fwd_fake,
+    _batch_norm_fwd_op_kernel,
+    _group_norm_bwd_cuda,
+    _group_norm_fwd_cuda,
+    _group_norm_fwd_fake,
+    _instance_norm_fwd_cuda,
+    _instance_norm_fwd_fake,
+    _instance_norm_fwd_op_kernel,
+    _norm_bwd_fake,
+    _row_norm_add_mul_bwd_cuda,
+    _row_norm_add_mul_bwd_fake,
+    _row_norm_add_mul_fwd_cuda,
+    _row_norm_add_mul_fwd_fake,
+)
+from ._reference import (
+    _batch_norm_bwd_reference,
+    _batch_norm_fwd_reference,
+    _group_norm_bwd_reference,
+    _group_norm_fwd_reference,
+    _instance_norm_fwd_reference,
+    _row_norm_add_mul_bwd_reference,
+    _row_norm_add_mul_fwd_reference,
+)
+
+# ---------------------------------------------------------------------------------------------
+# custom op registration
+# ---------------------------------------------------------------------------------------------
+_lib = torch.library.Library("cupynorm", "FRAGMENT")
+
+_SCHEMAS = {
+    "group_norm_fwd": (
+        "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps)"
+        " -> (Tensor, Tensor, Tensor)"
+    ),
+    "group_norm_bwd": (
+        "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
+        " int num_groups, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+    ),
+    "instance_norm_fwd": (
+        "instance_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
+        " Tensor running_var, float momentum, float eps)"
+        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "batch_norm_fwd": (
+        "batch_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
+        " Tensor? running_var, bool training, float momentum, float eps)"
+        " -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
+    ),
+    "batch_norm_bwd": (
+        "batch_norm_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd, Tensor? weight,"
+        " bool training, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+    ),
+    "row_norm_add_mul_fwd": (
+        "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
+    ),
+    "row_norm_add_mul_bwd": (
+        "row_norm_add_mul_bwd(Tensor dout, Tensor x, Tensor y, Tensor mean, Tensor rstd)"
+        " -> (Tensor, Tensor)"
+    ),
+}
+
+# name: (CUDA kernel, CPU kernel, fake kernel)
+_KERNELS = {
+    "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference, _group_norm_fwd_fake),
+    "group_norm_bwd": (_group_norm_bwd_cuda, _group_norm_bwd_reference, _norm_bwd_fake),
+    "instance_norm_fwd": (
+        _instance_norm_fwd_op_kernel(_instance_norm_fwd_cuda),
+        _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
+        _instance_norm_fwd_fake,
+    ),
+    "batch_norm_fwd": (
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda),
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
+        _batch_norm_fwd_fake,
+    ),
+    "batch_norm_bwd": (_batch_norm_bwd_cuda, _batch_norm_bwd_reference, _norm_bwd_fake),
+    "row_norm_add_mul_fwd": (
+        _row_norm_add_mul_fwd_cuda,
+        _row_norm_add_mul_fwd_reference,
+        _row_norm_add_mul_fwd_fake,
+    ),
+    "row_norm_add_mul_bwd": (
+        _row_norm_add_mul_bwd_cuda,
+        _row_norm_add_mul_bwd_reference,
+        _row_norm_add_mul_bwd_fake,
+    ),
+}
+
+for _name, _schema in _SCHEMAS.items():
+    _cuda_kernel, _cpu_kernel, _fake_kernel = _KERNELS[_name]
+    _lib.define(_schema)
+    _lib.impl(_name, _cuda_kernel, "CUDA")
+    _lib.impl(_name, _cpu_kernel, "CPU")
+    torch.library.register_fake(f"cupynorm::{_name}", _fake_kernel, lib=_lib)
+
+_torch_ops = torch.ops.cupynorm
+group_norm_fwd_op = _torch_ops.group_norm_fwd.default
+group_norm_bwd_op = _torch_ops.group_norm_bwd.default
+instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
+batch_norm_fwd_op = _torch_ops.batch_norm_fwd.default
+batch_norm_bwd_op = _torch_ops.batch_norm_bwd.default
+row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
+row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
+
+torch.library.register_autograd(
+    "cupynorm::group_norm_fwd",
+    _make_group_norm_backward(group_norm_bwd_op, 5, 2),
+    setup_context=_group_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::instance_norm_fwd",
+    _make_group_norm_backward(group_norm_bwd_op, 7, 1),
+    setup_context=_instance_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::batch_norm_fwd",
+    _make_batch_norm_backward(batch_norm_bwd_op),
+    setup_context=_batch_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::row_norm_add_mul_fwd",
+    _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
+    setup_context=_row_norm_add_mul_setup,
+    lib=_lib,
+)

@@ -1,0 +1,341 @@
+r"""The functional API of :mod:`cupynorm.torch` and the route of each call.
+
+Layers, bottom to top (each calls only the one below it): kernels per device
+(:mod:`._kernels`, :mod:`._reference`), custom ops (:mod:`._library`), autograd
+(:mod:`._autograd`), and here the functional API, which the modules (:mod:`.modules`) call.
+
+**Eager fast path.** A call through the dispatcher into a Python kernel with Python autograd is
+expensive. Measured on the CPU of the dev machine (torch 2.13, a trivial kernel taking 3.7 us
+when called directly): ``torch.library`` op with autograd 26 us per call, the same op with no
+input requiring grad 9.7 us, a plain :class:`torch.autograd.Function` 8.3 us (one that defines
+``setup_context`` 21 us: ``apply`` binds the signature with :mod:`inspect` on every call). So
+eager calls on plain CUDA tensors go through ``_*Function`` (an old-style ``autograd.Function``
+sharing the op's kernels, setup and backward code), or straight to the kernel when no gradient
+is needed; the custom op is used whenever something traces: ``torch.compile``/export, tensor
+subclasses (FakeTensor, ...), an active ``TorchDispatchMode``. With a 3 us stub kernel, a whole
+module call then costs 9 us (InstanceNorm2d, nothing needs grad), 17 us (GroupNorm, affine,
+parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
+
+    import torch, torch.utils.benchmark as B
+    import cupynorm.torch as cnt
+    from cupynorm.torch import _autograd, _kernels
+    x = torch.randn(8, 64, 32, 32, device="cuda", requires_grad=True)
+    m, ref = cnt.InstanceNorm2d(64).cuda(), torch.nn.InstanceNorm2d(64).cuda()
+    op = torch.ops.cupynorm.group_norm_fwd.default
+    for stmt in ("ref(x)", "m(x)",                                               # modules
+                 "op(x, 64, None, None, 1e-5)",                                  # dispatcher
+                 "_autograd._GroupNormFunction.apply(x, 64, None, None, 1e-5)",  # fast path
+                 "_kernels._group_norm_fwd(x, 64, None, None, 1e-5)"):           # kernel only
+        t = B.Timer(stmt, globals=globals()).blocked_autorange(min_run_time=1)
+        print(f"{stmt:64s} {t.median * 1e6:7.1f} us")
+
+**Functional API** (:func:`group_norm`, :func:`instance_norm`, :func:`batch_norm`,
+:func:`row_norm_add_mul`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
+on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
+other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
+
+Not supported: double backward (the backward is a kernel without a derivative) and functorch
+transforms (``torch.func.grad``/``vmap``: ops registered through ``torch.library`` with
+``register_autograd`` refuse them, and so does the eager Function).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _checks
+from ._autograd import (
+    _BatchNormFunction,
+    _GroupNormFunction,
+    _InstanceNormFunction,
+    _RowNormAddMulFunction,
+)
+from ._kernels import (
+    _batch_norm_fwd,
+    _group_norm_output,
+    _instance_norm_fwd,
+    _row_norm_add_mul_fwd,
+)
+from ._library import (
+    batch_norm_fwd_op,
+    group_norm_fwd_op,
+    instance_norm_fwd_op,
+    row_norm_add_mul_fwd_op,
+)
+
+__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _traced(x: Tensor) -> bool:
+    """True when the call must go through the dispatcher (the custom op) rather than eager:
+    compiling/exporting, a tensor subclass (FakeTensor, ...) or a TorchDispatchMode."""
+    return _is_compiling() or type(x) is not Tensor or _dispatch_stack_len() != 0
+
+
+def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (
+        x.requires_grad
+        or (a is not None and a.requires_grad)
+        or (b is not None and b.requires_grad)
+    )
+
+
+def _apply_group_norm(x, num_groups, weight, bias, eps) -> Tensor:
+    if _traced(x):
+        return group_norm_fwd_op(x, num_groups, weight, bias, eps)[0]
+    if _wants_grad(x, weight, bias):
+        return _GroupNormFunction.apply(x, num_groups, weight, bias, eps)[0]
+    return _group_norm_output(x, num_groups, weight, bias, eps)
+
+
+def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:
+    args = (x, weight, bias, running_mean, running_var, momentum, eps)
+    if _traced(x):
+        y, _mean, _rstd, new_mean, new_var = instance_norm_fwd_op(*args)
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+        return y
+    if _wants_grad(x, weight, bias):
+        return _InstanceNormFunction.apply(*args)[0]
+    return _instance_norm_fwd(*args)[0]
+
+
+def _apply_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    args = (x, weight, bias, running_mean, running_var, training, momentum, eps)
+    if _traced(x):
+        y, _mean, _rstd, new_mean, new_var = batch_norm_fwd_op(*args)
+        if new_mean is not None:
+            running_mean.copy_(new_mean)
+        if new_var is not None:
+            running_var.copy_(new_var)
+        return y
+    if _wants_grad(x, weight, bias):
+        return _BatchNormFunction.apply(*args)[0]
+    return _batch_norm_fwd(*args)[0]
+
+
+def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
+    if _traced(x):
+        return row_norm_add_mul_fwd_op(x, y, eps)[0]
+    if _wants_grad(x, y, None):
+        return _RowNormAddMulFunction.apply(x, y, eps)[0]
+    return _row_norm_add_mul_fwd(x, y, eps)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# routing (the host code validates nothing: _checks does, on the kernel route)
+# ---------------------------------------------------------------------------------------------
+def _use_kernels(x: Tensor) -> bool:
+    """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional).
+
+    CUDA tensors only; CPU tests patch this to run the whole stack on the reference kernels.
+    """
+    return x.is_cuda
+
+
+# ---------------------------------------------------------------------------------------------
+# functional API
+# ---------------------------------------------------------------------------------------------
+def group_norm(
+    input: Tensor,
+    num_groups: int,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Group normalization (:func:`torch.nn.functional.group_norm`) on cupynorm's kernels.
+
+    The ``C`` channels are split into ``num_groups`` groups; each group of each sample is
+    normalized over its ``C / G * prod(spatial)`` values:
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    with the biased variance; :math:`\gamma` (``weight``) and :math:`\beta` (``bias``) are per
+    channel. Statistics are accumulated in float32 (float64 for float64 input). Under CUDA
+    autocast the computation runs in float32, as torch's ``group_norm`` does.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)`; CUDA tensors (float16, bfloat16, float32,
+            float64; contiguous or channels_last, other strides are copied) run on cupynorm's
+            kernels, tensors on other devices through :func:`torch.nn.functional.group_norm`.
+        num_groups: number of groups ``G``; must divide ``C``.
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
+        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input (contiguous or
+          channels_last)
+
+    Example::
+
+        >>> x = torch.randn(2, 6, 5, 7, device="cuda", requires_grad=True)
+        >>> y = cupynorm.torch.group_norm(x, 3)
+        >>> y.sum().backward()
+    """
+    _checks.check_tensor("group_norm", "input", input)
+    if not _use_kernels(input):
+        return F.group_norm(input, num_groups, weight, bias, eps)
+    _checks.check_group_norm(input, num_groups, weight, bias, eps)
+    if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
+        input = input.float()
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+    return _apply_group_norm(input, num_groups, weight, bias, eps)
+
+
+def instance_norm(
+    input: Tensor,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Instance normalization (:func:`torch.nn.functional.instance_norm`) on cupynorm's kernels.
+
+    Each channel of each sample is normalized over its ``prod(spatial)`` values (group norm with
+    ``G = C``):
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    With ``use_input_stats`` and running statistics given, they are updated in place with the
+    mean over the batch of the per-instance mean and unbiased variance:
+    :math:`r \leftarrow (1 - \text{momentum})\, r + \text{momentum} \cdot \text{stat}`.
+    With ``use_input_stats=False`` the running statistics are used instead (as batch norm in
+    eval mode).
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)`; CUDA tensors run on cupynorm's kernels,
+            tensors on other devices through :func:`torch.nn.functional.instance_norm`.
+        running_mean: running mean of shape :math:`(C,)`, or None.
+        running_var: running variance of shape :math:`(C,)`, or None.
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
+        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
+        use_input_stats: normalize with the statistics of each instance. Default: ``True``
+        momentum: weight of the new statistics in the running-statistics update. Default: 0.1
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input
+
+    Example::
+
+        >>> x = torch.randn(4, 3, 7, 9, device="cuda")
+        >>> y = cupynorm.torch.instance_norm(x)
+    """
+    _checks.check_tensor("instance_norm", "input", input)
+    if not _use_kernels(input):
+        return F.instance_norm(
+            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+        )
+    _checks.check_instance_norm(
+        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+    )
+    c = input.shape[1]
+    if not use_input_stats:
+        return _apply_batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps)
+    if running_mean is None:
+        return _apply_group_norm(input, c, weight, bias, eps)
+    return _apply_instance_norm(input, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def batch_norm(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Batch normalization (:func:`torch.nn.functional.batch_norm`) on cupynorm's kernels.
+
+    Each channel is normalized over the batch and spatial dimensions
+    (``N * prod(spatial)`` values):
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    In training the batch statistics are used (biased variance) and the running statistics, if
+    given, are updated in place with the unbiased variance:
+    :math:`r \leftarrow (1 - \text{momentum})\, r + \text{momentum} \cdot \text{stat}`. In eval
+    the running statistics are used.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)`; CUDA tensors run on cupynorm's kernels,
+            tensors on other devices through :func:`torch.nn.functional.batch_norm`.
+        running_mean: running mean of shape :math:`(C,)`, or None (training only).
+        running_var: running variance of shape :math:`(C,)`, or None (training only).
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
+        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
+        training: use batch statistics and update the running ones. Default: ``False``
+        momentum: weight of the batch statistics in the running update. Default: 0.1
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input
+
+    Example::
+
+        >>> x = torch.randn(8, 3, 7, 7, device="cuda")
+        >>> mean, var = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
+        >>> y = cupynorm.torch.batch_norm(x, mean, var, training=True)
+    """
+    _checks.check_tensor("batch_norm", "input", input)
+    if not _use_kernels(input):
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    _checks.check_batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps
+    )
+    return _apply_batch_norm(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+
+
+def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
+    r"""Normalize each row of ``x`` over its last dimension, add ``y``, multiply by ``y``.
+
+    .. math::
+        \hat{x} = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}}, \qquad
+        \text{out} = (\hat{x} + y) \cdot y
+
+    with mean and biased variance over the last dimension, no affine parameters; one fused
+    kernel on CUDA (the norm + add + mul tail of seed 002), plain torch ops elsewhere.
+
+    Args:
+        x: tensor of shape :math:`(*, D)`.
+        y: tensor of the same shape, dtype and device as ``x``.
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - x, y: :math:`(*, D)`
+        - Output: :math:`(*, D)`, contiguous
+
+    Example::
+
+        >>> x = torch.randn(1024, 8192, device="cuda")
+        >>> y = torch.randn(1024, 8192, device="cuda")
+        >>> out = cupynorm.torch.row_norm_add_mul(x, y)
+    """
+    _checks.check_tensor("row_norm_add_mul", "x", x)
+    _checks.check_row_norm_add_mul(x, y, eps)
+    if not _use_kernels(x):
+        xhat = F.layer_norm(x, (x.shape[-1],), eps=eps)
+        return (xhat + y) * y
+    _checks.check_kernel_inputs("row_norm_add_mul", x, y)
+    return _apply_row_norm_add_mul(x, y, eps)
