@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from profile_passes import registers, replan, report  # noqa: E402
 from quick_timing import time_ms  # noqa: E402
 
-from cupynorm import _ops, _plan  # noqa: E402
+from cupynorm import _launch, _ops, _plan, _strided  # noqa: E402
 
 
 def check(name: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -51,12 +51,12 @@ def main() -> None:
     w = torch.rand(C, device="cuda", dtype=torch.float16) + 0.5
     bias = torch.rand(C, device="cuda", dtype=torch.float16)
     rm, rv = torch.zeros(C, device="cuda", dtype=torch.float16), torch.ones_like(w)
-    call = _ops._Call(x)
+    call = _launch._Call(x)
     y = torch.empty_like(x)
     mean, rstd = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
     report(
         "BN cl stats_cols alone",
-        time_ms(lambda: _ops._stats_cols(call, x, 1, N * S, C, 0, 0, 1)),
+        time_ms(lambda: _strided._stats_cols(call, x, 1, N * S, C, 0, 0, 1)),
         gb,
     )
 
@@ -67,7 +67,7 @@ def main() -> None:
         return F.batch_norm(x, rm, rv, w, bias, True, 0.1, 1e-5)
 
     def apply():
-        return _ops._apply(call, x, y, w, bias, mean, rstd, "channels_last", N, C, S, 0, 1)
+        return _strided._apply(call, x, y, w, bias, mean, rstd, "channels_last", N, C, S, 0, 1)
 
     report("BN cl copy of the tensor", time_ms(lambda: y.copy_(x)), 2 * gb)
     report("BN cl apply_cols alone", time_ms(apply), 2 * gb)
@@ -100,18 +100,18 @@ def main() -> None:
         report(f"GN32 cl forward, >= {min_rows} rows per thread", time_ms(gn), 2 * gbg)
     _plan.COLS_MIN_ROWS_PER_THREAD = 32
     replan()
-    callg = _ops._Call(xg)
+    callg = _launch._Call(xg)
     yg = torch.empty_like(xg)
     meang, rstdg = torch.zeros(16, 32, device="cuda"), torch.ones(16, 32, device="cuda")
     report(
         "GN32 cl stats_cols alone",
-        time_ms(lambda: _ops._stats_cols(callg, xg, 16, 4096, 320, 4096 * 320, 32, 10)),
+        time_ms(lambda: _strided._stats_cols(callg, xg, 16, 4096, 320, 4096 * 320, 32, 10)),
         gbg,
     )
     report(
         "GN32 cl apply_cols alone",
         time_ms(
-            lambda: _ops._apply(
+            lambda: _strided._apply(
                 callg, xg, yg, wg, bg, meang, rstdg, "channels_last", 16, 320, 4096, 32, 10
             )
         ),

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quick_timing import time_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-from cupynorm import _compile, _ops, _plan  # noqa: E402
+from cupynorm import _compile, _launch, _ops, _plan, _program, _strided  # noqa: E402
 
 
 def registers(source: str, kernel: str, dtype: str = "float32") -> int:
@@ -28,7 +28,7 @@ def replan() -> None:
     """Forget every plan and recorded call, so changed thresholds take effect."""
     for plan in (_plan.plan_segment, _plan.plan_rows_stats, _plan.plan_rows_apply, _plan.plan_cols):
         plan.cache_clear()
-    _ops._PROGRAMS.clear()
+    _program._PROGRAMS.clear()
 
 
 def report(name: str, ms: float, gbytes: float) -> None:
@@ -42,24 +42,24 @@ def main() -> None:
 
     x = torch.randn(112, 64, 512, 512, device="cuda")
     gb = x.numel() * 4 / 1e9
-    call = _ops._Call(x)
+    call = _launch._Call(x)
     N, C, S = 112, 64, 512 * 512
     y = torch.empty_like(x)
     # GroupNorm(8): split path, pass by pass
     G = 8
     mean, rstd = (torch.empty(N, G, device="cuda") for _ in range(2))
     L = C // G * S
-    report("GN8 stats_rows", time_ms(lambda: _ops._stats_rows(call, x, N * G, 1, L, 0, L)), gb)
-    partials = _ops._stats_rows(call, x, N * G, 1, L, 0, L)
+    report("GN8 stats_rows", time_ms(lambda: _strided._stats_rows(call, x, N * G, 1, L, 0, L)), gb)
+    partials = _strided._stats_rows(call, x, N * G, 1, L, 0, L)
     report(
         "GN8 finalize",
-        time_ms(lambda: _ops._finalize(call, x, partials, N * G, L, 1e-5, mean, rstd, None)),
+        time_ms(lambda: _strided._finalize(call, x, partials, N * G, L, 1e-5, mean, rstd, None)),
         0.0,
     )
     report(
         "GN8 apply_rows",
         time_ms(
-            lambda: _ops._apply(
+            lambda: _strided._apply(
                 call, x, y, None, None, mean, rstd, "contiguous", N, C, S, G, C // G
             )
         ),
@@ -68,13 +68,15 @@ def main() -> None:
     # BatchNorm: split path on 64 x 64 x 512 x 512
     xb = x[:64]
     gbb = xb.numel() * 4 / 1e9
-    report("BN stats_rows", time_ms(lambda: _ops._stats_rows(call, xb, C, 64, S, C * S, S)), gbb)
+    report(
+        "BN stats_rows", time_ms(lambda: _strided._stats_rows(call, xb, C, 64, S, C * S, S)), gbb
+    )
     bm, br = torch.empty(C, device="cuda"), torch.rand(C, device="cuda")
     yb = y[:64]
     report(
         "BN apply_rows",
         time_ms(
-            lambda: _ops._apply(call, xb, yb, None, None, bm, br, "contiguous", 64, C, S, 0, 1)
+            lambda: _strided._apply(call, xb, yb, None, None, bm, br, "contiguous", 64, C, S, 0, 1)
         ),
         2 * gbb,
     )

@@ -56,12 +56,12 @@ def _assert_identical(recorded: tuple, replayed: tuple) -> None:
 @pytest.fixture(autouse=True, scope="session")
 def _replay_every_recorded_call():
     """On a GPU, every call the host code records is replayed at once and both outputs compared,
-    so each test checks the replay path (cupynorm._ops programs) as well as the first call."""
+    so each test checks the replay path (cupynorm._program) as well as the first call."""
     if not cuda_available():
         yield
         return
-    from cupynorm import _ops
+    from cupynorm import _program
 
-    _ops.check_replay = _assert_identical
+    _program.check_replay = _assert_identical
     yield
-    _ops.check_replay = None
+    _program.check_replay = None

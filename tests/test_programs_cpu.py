@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from cupynorm import _compile, _interop, _ops, _plan
+from cupynorm import _compile, _interop, _launch, _ops, _plan, _program
 
 H200 = _plan.DeviceInfo(sm_count=132, compute_capability=90, smem_optin=232448)
 
@@ -43,16 +43,16 @@ def launches(monkeypatch):
     """Route the host code to CPU tensors and a launch log; start with no recorded programs."""
     log: list = []
     backend = _CpuTorchBackend()
-    monkeypatch.setattr(_ops, "backend_of", lambda x: backend)
+    monkeypatch.setattr(_interop, "backend_of", lambda x: backend)
     monkeypatch.setattr(_plan, "device_info", lambda device: H200)
     monkeypatch.setattr(
         _compile, "launcher", lambda dev, src, kernel, *rest: _FakeLauncher(kernel, log)
     )
     monkeypatch.setattr(_compile, "max_block_threads", lambda *a: 1024)
     monkeypatch.setattr(_compile, "resident_ctas", lambda *a: 2)
-    monkeypatch.setattr(_ops, "current_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(_ops, "check_replay", None)
-    monkeypatch.setattr(_ops, "_PROGRAMS", {})
+    monkeypatch.setattr(_compile, "current_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_program, "check_replay", None)
+    monkeypatch.setattr(_program, "_PROGRAMS", {})
     return log
 
 
@@ -66,15 +66,15 @@ def test_second_call_replays_with_new_pointers(launches, shape) -> None:
     x1 = torch.rand(shape)
     y1, m1, r1 = _ops.group_norm_fwd(x1, 2, w, b, 1e-5)
     recorded = list(launches)
-    (program,) = _ops._PROGRAMS.values()
-    assert program is not _ops._UNRECORDABLE and recorded
+    (program,) = _program._PROGRAMS.values()
+    assert program is not _program._UNRECORDABLE and recorded
     launches.clear()
     x2 = torch.rand(shape)
-    calls = _ops._Call.__init__
+    calls = _launch._Call.__init__
     with pytest.MonkeyPatch.context() as patch:  # a replay plans nothing
-        patch.setattr(_ops._Call, "__init__", lambda *a: pytest.fail("planned again"))
+        patch.setattr(_launch._Call, "__init__", lambda *a: pytest.fail("planned again"))
         y2, m2, r2 = _ops.group_norm_fwd(x2, 2, w, b, 1e-5)
-    assert _ops._Call.__init__ is calls
+    assert _launch._Call.__init__ is calls
     assert [(k, g, bl, s) for k, g, bl, s, _ in launches] == [
         (k, g, bl, s) for k, g, bl, s, _ in recorded
     ]
@@ -97,13 +97,13 @@ def test_signature_changes_record_again(launches) -> None:
     _ops.group_norm_fwd(x, 2, None, None, 1e-4)
     _ops.group_norm_fwd(x.to(memory_format=torch.channels_last), 2, None, None, 1e-5)
     _ops.group_norm_fwd(x.double(), 2, None, None, 1e-5)
-    assert len(_ops._PROGRAMS) == 5
+    assert len(_program._PROGRAMS) == 5
 
 
 def test_aliased_inputs_are_not_recorded(launches) -> None:
     x = torch.rand(4, 64)
     _ops.row_norm_add_mul_fwd(x, x, 1e-5)  # the same memory twice: aliasing is not in the key
-    assert list(_ops._PROGRAMS.values()) == [_ops._UNRECORDABLE]
+    assert list(_program._PROGRAMS.values()) == [_program._UNRECORDABLE]
     launches.clear()
     _ops.row_norm_add_mul_fwd(x, x, 1e-5)  # runs the full path again
     assert launches
@@ -114,15 +114,15 @@ def test_framework_operations_make_a_call_unrecordable(launches) -> None:
     rm, rv = torch.zeros(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
     # running statistics of another dtype than the kernels' weight type: torch updates them
     _ops.batch_norm_fwd(x, None, None, rm, rv, True, 0.1, 1e-5)
-    assert list(_ops._PROGRAMS.values()) == [_ops._UNRECORDABLE]
+    assert list(_program._PROGRAMS.values()) == [_program._UNRECORDABLE]
 
 
 def test_running_statistics_in_the_kernel_are_recorded_as_mutating(launches) -> None:
     x = torch.rand(4, 6, 3, 3)
     rm, rv = torch.zeros(6), torch.ones(6)
     _ops.batch_norm_fwd(x, None, None, rm, rv, True, 0.1, 1e-5)
-    (program,) = _ops._PROGRAMS.values()
-    assert program is not _ops._UNRECORDABLE and program.mutating
+    (program,) = _program._PROGRAMS.values()
+    assert program is not _program._UNRECORDABLE and program.mutating
     launches.clear()
     rm2, rv2 = torch.zeros(6), torch.ones(6)
     _ops.batch_norm_fwd(torch.rand(4, 6, 3, 3), None, None, rm2, rv2, True, 0.1, 1e-5)

@@ -1,0 +1,185 @@
+"""Recorded calls: a call's allocations and launches recorded once per signature, replayed after.
+
+The planning of a call costs tens of microseconds of Python, as much as the kernels of a small
+problem. Everything it decides depends only on the call's signature (shapes, strides, dtypes,
+16-byte alignment of the pointers, the scalar arguments), so the first call with a signature runs
+it while recording the allocations and launches; later calls allocate the same outputs and replay
+the launches with the new pointers. A call that does anything else (a copy, a torch/CuPy
+operation, an input passed twice) is not recorded and always runs the full path.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _compile, _interop
+
+
+class _Active(threading.local):
+    recording: _Recording | None = None
+
+
+_active = _Active()
+_PURE_BACKEND = frozenset({"name", "ptr", "strides", "device_id", "stream", "dtype_name"})
+_PROGRAMS: dict[tuple, Any] = {}
+_PROGRAMS_MAX = 4096  # distinct signatures kept; the cache is cleared when it is full
+_UNRECORDABLE = object()
+#: Test hook: when set, a recorded call is replayed at once and this is called with both calls'
+#: outputs (the GPU tests assert they are identical, so every test exercises the replay). Calls
+#: that update running statistics in place are replayed only when called again.
+check_replay: Callable[[tuple, tuple], None] | None = None
+
+
+class _Recording:
+    def __init__(self, bk: Any, tensors: list) -> None:
+        self.bk = bk
+        self.ok = True
+        self.mutating = False  # the kernels write to an input: a replay is not idempotent
+        self.objects = list(tensors)  # the inputs, then every allocation in order
+        self.sources: dict[int, int] = {}  # pointer -> index into objects
+        for i, t in enumerate(tensors):
+            p = bk.ptr(t)
+            if p in self.sources:  # the same memory passed twice: aliasing is not in the key
+                self.ok = False
+            if p:
+                self.sources[p] = i
+        self.allocations: list[tuple[str, tuple]] = []
+        self.steps: list[tuple] = []
+
+    def allocated(self, obj: Any, method: str, args: tuple) -> Any:
+        p = self.bk.ptr(obj)
+        if p:
+            self.sources[p] = len(self.objects)
+        self.objects.append(obj)
+        self.allocations.append((method, args))
+        return obj
+
+    def step(self, launcher: Any, grid: int, block: tuple, smem: int, args: tuple) -> None:
+        template, slots = [], []
+        for i, a in enumerate(args):
+            value = a.item()
+            if type(a) is np.uint64 and value:
+                source = self.sources.get(value)
+                if source is None:  # a pointer not to an input or an allocation
+                    self.ok = False
+                slots.append((i, source))
+            template.append(value)
+        self.steps.append((launcher, grid, tuple(block), smem, tuple(template), tuple(slots)))
+
+    def program(self, outputs: tuple) -> _Program | None:
+        indices = []
+        for out in outputs:
+            if out is None:
+                indices.append(None)
+                continue
+            index = next((i for i, o in enumerate(self.objects) if o is out), None)
+            if index is None:
+                return None
+            indices.append(index)
+        if not self.ok:
+            return None
+        # the backend's allocation methods, bound once
+        allocations = tuple((getattr(self.bk, m), args) for m, args in self.allocations)
+        return _Program(allocations, tuple(self.steps), tuple(indices), self.mutating)
+
+
+class _RecordingBackend:
+    """The backend, with allocations recorded and anything else marking the call unrecordable."""
+
+    def __init__(self, bk: Any, recording: _Recording) -> None:
+        self._bk, self._recording = bk, recording
+
+    def empty(self, shape: tuple[int, ...], dtype: str, like: Any) -> Any:
+        out = self._bk.empty(shape, dtype, like)
+        return self._recording.allocated(out, "empty", (tuple(shape), dtype))
+
+    def zeros_int32(self, n: int, like: Any) -> Any:
+        return self._recording.allocated(self._bk.zeros_int32(n, like), "zeros_int32", (n,))
+
+    def empty_strided_like(self, x: Any) -> Any:
+        out = self._bk.empty_strided_like(x)
+        args = (tuple(x.shape), tuple(self._bk.strides(x)), self._bk.dtype_name(x))
+        return self._recording.allocated(out, "empty_strided", args)
+
+    def contiguous(self, x: Any) -> Any:
+        out = self._bk.contiguous(x)
+        if self._bk.ptr(out) != self._bk.ptr(x):  # a copy
+            self._recording.ok = False
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _PURE_BACKEND:
+            self._recording.ok = False
+        return getattr(self._bk, name)
+
+
+class _Program:
+    """A recorded call: allocate, then launch with the new pointers."""
+
+    __slots__ = ("allocations", "steps", "outputs", "mutating")
+
+    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool) -> None:
+        self.allocations, self.steps, self.outputs = allocations, steps, outputs
+        self.mutating = mutating
+
+    def run(self, bk: Any, device: int, tensors: list) -> tuple:
+        like = tensors[0]
+        objects = list(tensors)
+        for allocate, args in self.allocations:
+            objects.append(allocate(*args, like))
+        ptr = bk.ptr
+        pointers = [ptr(o) for o in objects]
+        stream = bk.stream(device)
+        with _compile.current_device(device):
+            for launcher, grid, block, smem, template, slots in self.steps:
+                args = list(template)
+                for i, source in slots:
+                    args[i] = pointers[source]
+                launcher.launch(grid, block, smem, stream, args)
+        return tuple(None if i is None else objects[i] for i in self.outputs)
+
+
+def _programmed(op: Any) -> Any:
+    """Run ``op`` through the program cache (see above). Its first argument is a tensor."""
+    name = op.__name__
+
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        bk = _interop.backend_of(args[0])
+        array_type, signature = bk.array_type, bk.signature
+        tensors = []
+        key = [name, bk.name, bk.device_id(args[0]), *kwargs.items()]
+        for a in args:
+            if isinstance(a, array_type):
+                tensors.append(a)
+                key.append(signature(a))
+            else:
+                key.append(a)
+        key = tuple(key)
+        device = key[2]
+        program = _PROGRAMS.get(key)
+        if program is _UNRECORDABLE or _active.recording is not None:
+            return op(*args, **kwargs)
+        if program is not None:
+            return program.run(bk, device, tensors)
+        recording = _Recording(bk, tensors)
+        _active.recording = recording
+        try:
+            outputs = op(*args, **kwargs)
+        finally:
+            _active.recording = None
+        if len(_PROGRAMS) >= _PROGRAMS_MAX:
+            _PROGRAMS.clear()
+        program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
+        if check_replay is not None and program is not _UNRECORDABLE and not program.mutating:
+            replayed = program.run(bk, device, tensors)
+            check_replay(outputs, replayed)
+            return replayed
+        return outputs
+
+    return run

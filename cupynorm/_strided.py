@@ -1,0 +1,340 @@
+"""Host side of the strided family (``strided_norm.cu``): partial Welford triples over rows or
+columns (channels innermost), their deterministic merge (finalize), the elementwise apply, and the
+backward's sums, merge and dx passes. Serves BatchNorm, every norm on channels_last data, and
+segments too long for an on-chip team.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _compile, _plan
+from ._launch import (
+    _ITEMSIZE,
+    _NULL,
+    _STRIDED,
+    _Call,
+    _scalar,
+)
+
+
+class _Partials(NamedTuple):
+    """Partial (count, mean, M2) triples of statistic sets, and where each set's shift is: the
+    triples' means are relative to the set's first value K, read back by the finalize at
+    x[(k // shift_div) * shift_a + (k % shift_div) * shift_b]."""
+
+    triples: Any
+    per_set: int
+    shift_div: int
+    shift_a: int
+    shift_b: int
+
+
+def _stats_rows(
+    call: _Call, x: Any, num_sets: int, n_runs: int, run_len: int, run_stride: int, set_stride: int
+) -> _Partials:
+    """Partial triples of sets of contiguous runs (strided_norm_stats_rows)."""
+    aligned = call.aligned(x, strides=(run_stride, set_stride))
+    plan = _plan.plan_rows_stats(
+        num_sets, n_runs * run_len, run_len, call.itemsize, aligned, call.info
+    )
+    triples = call.stats((num_sets * plan.ctas_per_set * 3,), x)
+    i64 = np.int64
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_stats_rows", num_sets * plan.ctas_per_set,
+                (plan.threads,), (
+        call.ptr(x), call.ptr(triples), i64(n_runs), i64(run_len), i64(run_stride),
+        i64(set_stride), i64(plan.chunk), i64(plan.ctas_per_set), np.int32(plan.vectorized)))
+    # fmt: on
+    return _Partials(triples, plan.ctas_per_set, 1, set_stride, 0)
+
+
+def _stats_cols(
+    call: _Call,
+    x: Any,
+    samples: int,
+    rows: int,
+    channels: int,
+    sample_stride: int,
+    groups: int,
+    chans_per_group: int,
+) -> _Partials:
+    """Partial triples over channel-innermost data (strided_norm_stats_cols)."""
+    aligned = call.aligned(x, strides=(sample_stride,))
+    acc_size = np.dtype(call.acc).itemsize
+
+    def smem_bytes(threads: int, vec: int, staged: bool) -> int:
+        # the block's triples, overlaying (16-byte packs) the two stages of staged rows
+        ring = 2 * _plan.COLS_STATS_ROWS * threads * 16 if staged else 0
+        return max(threads * vec * 3 * acc_size, ring)
+
+    resident = _compile.resident_ctas(
+        call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,
+        _plan.COLS_THREADS, smem_bytes(_plan.COLS_THREADS, call.vec, True),
+    )  # fmt: skip
+    plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info, resident)
+    vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1
+    triples = call.stats((samples * plan.ctas_per_sample * channels * 3,), x)
+    smem = smem_bytes(plan.tx * plan.ty, vec, plan.vectorized)
+    i64 = np.int64
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_stats_cols", samples * plan.ctas_per_sample,
+                (plan.tx, plan.ty), (
+        call.ptr(x), call.ptr(triples), i64(samples), i64(rows), i64(channels), i64(channels),
+        i64(sample_stride), i64(plan.ctas_per_sample), np.int32(groups), i64(chans_per_group),
+        np.int32(plan.vectorized)), smem=smem)
+    # fmt: on
+    if groups > 0:  # set (n, g) starts at sample n, channel g * Cg
+        return _Partials(
+            triples, plan.ctas_per_sample * chans_per_group, groups, sample_stride, chans_per_group
+        )
+    return _Partials(triples, samples * plan.ctas_per_sample, 1, 1, 0)  # set c starts at c
+
+
+def _finalize(
+    call: _Call,
+    x: Any,
+    partials: _Partials,
+    num_sets: int,
+    count: int,
+    eps: float,
+    mean: Any,
+    rstd: Any,
+    var: Any,
+    running_mean: Any = None,
+    running_var: Any = None,
+    momentum: float = 0.0,
+) -> None:
+    """Merge the partial triples into mean, rstd (and var); running statistics given are updated
+    in the same kernel (batch norm, with the unbiased variance)."""
+    grid, threads = _plan.finalize_grid(num_sets)
+    unbias = count / (count - 1) if count > 1 else float("nan")
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_finalize", grid, (threads,), (
+        call.ptr(partials.triples), np.int64(num_sets), np.int64(partials.per_set),
+        np.float64(count), _scalar(call.acc, eps), call.ptr(mean), call.ptr(rstd), call.ptr(var),
+        call.ptr(x), np.int64(partials.shift_div), np.int64(partials.shift_a),
+        np.int64(partials.shift_b), call.ptr(running_mean), call.ptr(running_var),
+        _scalar(call.acc, momentum), _scalar(call.acc, unbias)))
+    # fmt: on
+
+
+class _Elementwise(NamedTuple):
+    """Grid of the elementwise passes (apply, backward sums, backward dx) over one layout."""
+
+    rows: bool  # rows (NCHW) or columns (channels innermost) kernels
+    grid: int
+    block: tuple[int, ...]
+    tail: tuple  # the layout arguments every such kernel takes last
+    tiles: int  # T: partials per (n, c) of the backward sums
+    samples: int  # NP: samples the partials keep apart (1 when the batch is folded into rows)
+    vec: int
+
+
+def _elementwise(
+    call: _Call,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+    aligned: bool,
+    cols_ctas_per_sm: int | None = None,
+) -> _Elementwise:
+    """The grid of an elementwise pass; columns passes aim at ``cols_ctas_per_sm`` CTAs per SM
+    (COLS_APPLY_CTAS_PER_SM by default; fewer for the backward sums, whose partials per channel
+    grow with the grid)."""
+    i64 = np.int64
+    if layout == "contiguous":
+        plan = _plan.plan_rows_apply(S, call.itemsize, aligned and S % call.vec == 0)
+        tail = (
+            i64(C),
+            i64(S),
+            i64(C * S),
+            i64(S),
+            np.int32(groups),
+            i64(cpg),
+            i64(plan.tiles_per_plane),
+            i64(plan.tile_len),
+            np.int32(plan.vectorized),
+        )
+        return _Elementwise(
+            True,
+            N * C * plan.tiles_per_plane,
+            (plan.threads,),
+            tail,
+            plan.tiles_per_plane,
+            N,
+            call.vec if plan.vectorized else 1,
+        )
+    # per-sample statistics keep samples apart; per-channel ones fold the batch into the rows
+    samples, rows = (N, S) if groups > 0 else (1, N * S)
+    plan = _plan.plan_cols(
+        samples,
+        rows,
+        C,
+        call.itemsize,
+        aligned and (S * C) % call.vec == 0,
+        call.info,
+        cols_ctas_per_sm or _plan.COLS_APPLY_CTAS_PER_SM,
+        _plan.COLS_APPLY_THREADS,
+    )
+    tail = (
+        i64(rows),
+        i64(C),
+        i64(C),
+        i64(S * C),
+        np.int32(groups),
+        i64(cpg),
+        i64(plan.ctas_per_sample),
+        np.int32(plan.vectorized),
+    )
+    return _Elementwise(
+        False,
+        samples * plan.ctas_per_sample,
+        (plan.tx, plan.ty),
+        tail,
+        plan.ctas_per_sample,
+        samples,
+        call.vec if plan.vectorized else 1,
+    )
+
+
+def _apply(
+    call: _Call,
+    x: Any,
+    y: Any,
+    weight: Any,
+    bias: Any,
+    mean: Any,
+    rstd: Any,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+) -> None:
+    """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel)."""
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, y))
+    kernel = "strided_norm_apply_rows" if geo.rows else "strided_norm_apply_cols"
+    args = (
+        call.ptr(x),
+        _NULL,
+        call.ptr(y),
+        call.ptr(weight),
+        call.ptr(bias),
+        call.ptr(mean),
+        call.ptr(rstd),
+        _NULL,
+        _NULL,
+    )
+    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+
+
+def _backward(
+    call: _Call,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+    training: bool,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu."""
+    need_dx, need_dw, need_db = needs_input_grad
+    need_dw = need_dw and weight is not None
+    dx = call.bk.empty_strided_like(x) if need_dx else None
+    aligned = call.aligned(x, dy, dx)
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
+    num_sets = N * groups if groups > 0 else C
+    count = cpg * S if groups > 0 else N * S
+    dweight = call.grads((C,), weight, x) if need_dw else None
+    dbias = call.grads((C,), weight, x) if need_db else None
+    u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
+    if N * C * S == 0:
+        for grad in (dweight, dbias):
+            if grad is not None:
+                call.bk.fill_zero(grad)
+        return dx, dweight, dbias
+    # pass 1: per (n, c, tile) sums of dy and dy * (x - mean)
+    partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
+    smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
+    kernel = "strided_norm_bwd_sums_rows" if geo.rows else "strided_norm_bwd_sums_cols"
+    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials))
+    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail, smem=smem)
+    # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
+    _bwd_finalize(
+        call,
+        partials,
+        geo.samples,
+        C,
+        geo.tiles,
+        rstd,
+        weight,
+        groups,
+        cpg,
+        num_sets,
+        count,
+        training,
+        dweight,
+        dbias,
+        u,
+        v,
+    )
+    # pass 3: dx
+    if need_dx:
+        geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned)
+        kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
+        args = (
+            call.ptr(x),
+            call.ptr(dy),
+            call.ptr(dx),
+            call.ptr(weight),
+            _NULL,
+            call.ptr(mean),
+            call.ptr(rstd),
+            call.ptr(u),
+            call.ptr(v),
+        )
+        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+    return dx, dweight, dbias
+
+
+def _bwd_finalize(
+    call: _Call,
+    partials: Any,
+    samples: int,
+    C: int,
+    tiles: int,
+    rstd: Any,
+    weight: Any,
+    groups: int,
+    cpg: int,
+    num_sets: int,
+    count: int,
+    training: bool,
+    dweight: Any,
+    dbias: Any,
+    u: Any,
+    v: Any,
+) -> None:
+    """strided_norm_bwd_finalize: partials[(n*C + c)*tiles + t] (sdy, sdx) -> dweight, dbias
+    (warps 0..C-1) and the dx coefficients u, v of num_sets statistic sets (the next warps)."""
+    # fmt: off
+    call.launch(_STRIDED, "strided_norm_bwd_finalize", -(-(C + num_sets) // 8), (256,), (
+        call.ptr(partials), np.int64(samples), np.int64(C), np.int64(tiles), call.ptr(rstd),
+        call.ptr(weight), np.int32(groups), np.int64(cpg), np.int64(num_sets),
+        np.float64(count), np.int32(training), call.ptr(dweight), call.ptr(dbias), call.ptr(u),
+        call.ptr(v)))
+    # fmt: on
