@@ -63,21 +63,39 @@ def check_tensor(fn: str, name: str, value: Any) -> None:
         )
 
 
-def _vector_problem(fn: str, name: str, t: Tensor | None, c: int) -> str | None:
-    if t is None or (t.dim() == 1 and t.shape[0] == c):
-        return None
-    return (
-        f"{fn}: expected {name} of shape ({c},) (the number of channels of the input), "
-        f"got {name} of shape {tuple(t.shape)}"
-    )
-
-
-def _vectors_problem(fn: str, c: int, **vectors: Tensor | None) -> str | None:
-    for name, t in vectors.items():
-        problem = _vector_problem(fn, name, t, c)
-        if problem is not None:
-            return problem
+def _vectors_problem(
+    fn: str,
+    c: int,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None = None,
+    running_var: Tensor | None = None,
+    running_needed: str | None = None,
+) -> str | None:
+    """What is wrong with the per-channel vectors for cupynorm's kernels, or None.
+    ``running_needed``: when the running statistics must be given (the words of the message)."""
+    vectors = (("weight", weight), ("bias", bias), ("running_mean", running_mean))
+    for name, t in (*vectors, ("running_var", running_var)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != c):
+            return (
+                f"{fn}: expected {name} of shape ({c},) (the number of channels of the input), "
+                f"got {name} of shape {tuple(t.shape)}"
+            )
+    if (running_mean is None) != (running_var is None):
+        return f"{fn}: expected running_mean and running_var to be both None or both tensors"
+    if running_needed is not None and running_mean is None:
+        return f"{fn}: expected running_mean and running_var {running_needed}"
     return None
+
+
+def _check_ndim(fn: str, torch_fn: Callable[..., Any], args: tuple) -> None:
+    input = args[0]
+    if input.dim() < 2:
+        raise_like_torch(
+            torch_fn,
+            args,
+            ours=f"{fn}: expected input of shape (N, C, *), got {input.dim()}D input",
+        )
 
 
 def check_kernel_inputs(fn: str, input: Tensor, *others: Tensor | None) -> None:
@@ -100,12 +118,7 @@ def check_group_norm(
     input: Tensor, num_groups: int, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> None:
     args = (input, num_groups, weight, bias, eps)
-    if input.dim() < 2:
-        raise_like_torch(
-            F.group_norm,
-            args,
-            ours=f"group_norm: expected input of shape (N, C, *), got {input.dim()}D input",
-        )
+    _check_ndim("group_norm", F.group_norm, args)
     c = input.shape[1]
     if num_groups <= 0 or c % num_groups != 0:
         raise_like_torch(
@@ -114,7 +127,7 @@ def check_group_norm(
             ours=f"group_norm: expected the number of channels ({c}) to be divisible by "
             f"num_groups, got num_groups={num_groups}",
         )
-    problem = _vectors_problem("group_norm", c, weight=weight, bias=bias)
+    problem = _vectors_problem("group_norm", c, weight, bias)
     if problem is not None or input.numel() == num_groups:
         raise_like_torch(F.group_norm, args, ours=problem)
     check_kernel_inputs("group_norm", input, weight, bias)
@@ -131,35 +144,12 @@ def check_instance_norm(
     eps: float,
 ) -> None:
     args = (input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
-    if input.dim() < 2:
-        raise_like_torch(
-            F.instance_norm,
-            args,
-            ours=f"instance_norm: expected input of shape (N, C, *), got {input.dim()}D input",
-        )
-    c = input.shape[1]
-    if use_input_stats:
-        suspect = math.prod(input.shape[2:]) == 1 or (running_mean is None) != (running_var is None)
-    else:
-        suspect = running_mean is None or running_var is None
+    _check_ndim("instance_norm", F.instance_norm, args)
+    needed = None if use_input_stats else "when use_input_stats=False"
     problem = _vectors_problem(
-        "instance_norm",
-        c,
-        weight=weight,
-        bias=bias,
-        running_mean=running_mean,
-        running_var=running_var,
+        "instance_norm", input.shape[1], weight, bias, running_mean, running_var, needed
     )
-    if suspect or problem is not None:
-        if (running_mean is None) != (running_var is None):
-            problem = problem or (
-                "instance_norm: expected running_mean and running_var to be both None or both "
-                "tensors"
-            )
-        if not use_input_stats and running_mean is None:
-            problem = problem or (
-                "instance_norm: expected running_mean and running_var when use_input_stats=False"
-            )
+    if problem is not None or (use_input_stats and math.prod(input.shape[2:]) == 1):
         raise_like_torch(F.instance_norm, args, ours=problem)
     check_kernel_inputs("instance_norm", input, weight, bias, running_mean, running_var)
 
@@ -175,27 +165,10 @@ def check_batch_norm(
     eps: float,
 ) -> None:
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if input.dim() < 2:
-        raise_like_torch(
-            F.batch_norm,
-            args,
-            ours=f"batch_norm: expected input of shape (N, C, *), got {input.dim()}D input",
-        )
+    _check_ndim("batch_norm", F.batch_norm, args)
     c = input.shape[1]
-    problem = _vectors_problem(
-        "batch_norm",
-        c,
-        weight=weight,
-        bias=bias,
-        running_mean=running_mean,
-        running_var=running_var,
-    )
-    if (running_mean is None) != (running_var is None):
-        problem = problem or (
-            "batch_norm: expected running_mean and running_var to be both None or both tensors"
-        )
-    if not training and running_mean is None:
-        problem = problem or "batch_norm: expected running_mean and running_var in evaluation mode"
+    needed = None if training else "in evaluation mode"
+    problem = _vectors_problem("batch_norm", c, weight, bias, running_mean, running_var, needed)
     # eps <= 0: torch's own rule (it changed between versions), nothing the kernels need
     suspect = eps <= 0.0 or (training and c != 0 and input.numel() == c)
     if suspect or problem is not None:
