@@ -1058,3 +1058,104 @@ def test_modules_accept_what_torch_accepts(ours, theirs, kwargs):
         assert str(_raised(ours, *args, **kwargs)) == str(expected)
     else:
         assert type(ours(*args, **kwargs)) is ours
+
+
+# ---------------------------------------------------------------------------------------------
+# replace_norms on subclasses of the torch.nn norms (as timm, torchvision, diffusers define them)
+# ---------------------------------------------------------------------------------------------
+class _TaggedGroupNorm(nn.GroupNorm):
+    """Inherits forward; adds an attribute (a library's own GroupNorm)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tag = "kept"
+
+
+class _RewrittenGroupNorm(nn.GroupNorm):
+    """Overrides forward with the same math (timm's GroupNorm)."""
+
+    def forward(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+class _BatchNormReLU(nn.BatchNorm2d):
+    """A norm and an activation in one module (timm's BatchNormAct2d): not a plain norm."""
+
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+class _RewrittenBatchNorm2d(nn.BatchNorm2d):
+    """Overrides forward with torch's training logic (running statistics updated)."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        return F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
+
+
+def test_replace_norms_converts_subclasses_that_compute_the_same():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3),
+        _TaggedGroupNorm(2, 6),
+        _RewrittenGroupNorm(3, 6),
+        _RewrittenBatchNorm2d(6),
+    )
+    reference = copy.deepcopy(model)
+    bn_state = {k: v.clone() for k, v in model[3].state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing left alone: no warning
+        cnt.replace_norms(model)
+    for key, value in model[3].state_dict().items():  # the probe ran on copies
+        assert torch.equal(value, bn_state[key]), key
+    assert isinstance(model[1], cnt.GroupNorm) and isinstance(model[1], _TaggedGroupNorm)
+    assert model[1].tag == "kept"
+    assert isinstance(model[2], cnt.GroupNorm) and isinstance(model[2], _RewrittenGroupNorm)
+    assert isinstance(model[3], cnt.BatchNorm2d) and isinstance(model[3], _RewrittenBatchNorm2d)
+    assert type(model[1]).__name__ == "_TaggedGroupNorm"
+    assert type(model[1]).forward is cnt.GroupNorm.forward  # cupynorm's forward runs
+    assert cnt.replace_norms(nn.Sequential(_RewrittenGroupNorm(3, 6)))[0].__class__ is type(
+        model[2]
+    )  # one class per subclass
+    x = torch.randn(2, 3, 7, 7)
+    outs, grads = _run_steps(model, [x] * 2, train=True)
+    outs_r, grads_r = _run_steps(reference, [x] * 2, train=True)
+    for u, v in zip(outs + grads, outs_r + grads_r, strict=True):  # CPU: torch's own math
+        torch.testing.assert_close(u, v, atol=0, rtol=0)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=0, rtol=0, msg=key)
+
+
+def test_replace_norms_leaves_other_subclasses_alone_and_says_so():
+    model = nn.Sequential(_BatchNormReLU(4), nn.Sequential(_BatchNormReLU(4)), nn.GroupNorm(2, 4))
+    with pytest.warns(UserWarning, match=r"_BatchNormReLU \(x2\)"):
+        cnt.replace_norms(model)
+    assert type(model[0]) is _BatchNormReLU and type(model[1][0]) is _BatchNormReLU
+    assert type(model[2]) is cnt.GroupNorm
+
+
+def test_replace_norms_include_exclude_cover_subclasses():
+    model = nn.Sequential(_TaggedGroupNorm(2, 4), _RewrittenBatchNorm2d(4))
+    cnt.replace_norms(model, exclude=[nn.GroupNorm])
+    assert type(model[0]) is _TaggedGroupNorm
+    assert isinstance(model[1], cnt.BatchNorm2d)
+
+
+def test_replace_norms_timm_norms():
+    """timm's own norm layers, where timm is installed (the GPU machine): its GroupNorm is a plain
+    GroupNorm and is converted; BatchNormAct2d (norm + activation) is left alone, with a warning."""
+    layers = pytest.importorskip("timm.layers")
+    model = nn.Sequential(layers.GroupNorm(32, num_groups=8), layers.BatchNormAct2d(32))
+    with pytest.warns(UserWarning, match="BatchNormAct2d"):
+        cnt.replace_norms(model)
+    assert isinstance(model[0], cnt.GroupNorm) and isinstance(model[0], layers.GroupNorm)
+    assert type(model[1]) is layers.BatchNormAct2d

@@ -678,3 +678,19 @@ def test_module_errors_are_torchs_on_cuda(make, shape):
     error = _raised(lambda: make(cnt).to(DEVICE)(x))
     assert isinstance(error, type(expected)), (type(error), type(expected))
     assert str(error) == str(expected)
+
+
+class _RewrittenGroupNorm(nn.GroupNorm):
+    """A library's GroupNorm overriding forward with torch's math (as timm's does)."""
+
+    def forward(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
+def test_replace_norms_converted_subclass_runs_cupynorm_on_cuda():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), _RewrittenGroupNorm(4, 8)).to(DEVICE)
+    model = cnt.replace_norms(copy.deepcopy(ref))
+    assert isinstance(model[1], cnt.GroupNorm) and isinstance(model[1], _RewrittenGroupNorm)
+    xs = _inputs((4, 3, 9, 11), torch.float32)
+    _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)

@@ -6,10 +6,21 @@ Each cupynorm module subclasses its torch.nn counterpart, adds no state and over
 buffers are the same tensor objects (optimizers and EMA copies still hold them), device, dtype,
 training mode and hooks are kept, a module shared by several parents is converted once, and the
 root module itself can be converted.
+
+Subclasses of those torch.nn classes (timm's ``GroupNorm``, a library's ``BatchNorm2d`` with an
+extra attribute) are converted when their ``forward`` computes what the torch.nn class's does:
+either they inherit it, or a probe says so -- on copies of the module, on random input of a small
+shape, the subclass's ``forward`` and the torch.nn class's give the same output (and the same
+running statistics). Such a module gets a class of its own, made once per subclass, whose bases
+are cupynorm's module and the subclass (so ``isinstance`` with the subclass and its methods and
+attributes still hold). A subclass whose ``forward`` computes something else (an activation
+after the norm, a drop path) is left alone and named in a warning: never silently changed.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -18,8 +29,6 @@ from . import modules
 
 __all__ = ["replace_norms"]
 
-# Exact torch.nn types only: subclasses (SyncBatchNorm, lazy modules, cupynorm's own modules) are
-# left alone.
 _REPLACEMENTS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
     torch.nn.InstanceNorm1d: modules.InstanceNorm1d,
     torch.nn.InstanceNorm2d: modules.InstanceNorm2d,
@@ -29,6 +38,73 @@ _REPLACEMENTS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
     torch.nn.BatchNorm2d: modules.BatchNorm2d,
     torch.nn.BatchNorm3d: modules.BatchNorm3d,
 }
+
+
+_OURS = tuple(set(_REPLACEMENTS.values()))
+# (N, C) -> probe input shape per torch.nn class: small, several values per statistic
+_PROBE_SPATIAL = {
+    torch.nn.InstanceNorm1d: (5,),
+    torch.nn.InstanceNorm2d: (3, 4),
+    torch.nn.InstanceNorm3d: (2, 3, 2),
+    torch.nn.GroupNorm: (3, 4),
+    torch.nn.BatchNorm1d: (5,),
+    torch.nn.BatchNorm2d: (3, 4),
+    torch.nn.BatchNorm3d: (2, 3, 2),
+}
+_ADOPTED: dict[type, type] = {}
+
+
+def _torch_base(cls: type) -> type | None:
+    """The torch.nn norm class ``cls`` is or derives from (None: not a norm, or cupynorm's)."""
+    if issubclass(cls, _OURS):
+        return None
+    return next((base for base in cls.__mro__ if base in _REPLACEMENTS), None)
+
+
+def _computes_like(module: torch.nn.Module, base: type) -> bool:
+    """Whether ``module.forward`` gives what ``base.forward`` gives, on copies of the module and
+    random input (running statistics compared too)."""
+    if type(module).forward is base.forward:
+        return True
+    channels = module.num_channels if base is torch.nn.GroupNorm else module.num_features
+    param = next(module.parameters(), None)
+    if param is None:
+        param = next(module.buffers(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    if device.type == "meta":
+        return False
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (2, channels, *_PROBE_SPATIAL[base])
+    probe = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    theirs, ours = copy.deepcopy(module), copy.deepcopy(module)
+    try:
+        with torch.no_grad():
+            expected = base.forward(theirs, probe)
+            got = type(module).forward(ours, probe)
+    except Exception:  # noqa: BLE001 - a forward that fails on the probe is not a plain norm
+        return False
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return False
+    if not torch.equal(got, expected):
+        return False
+    return all(torch.equal(a, b) for a, b in zip(ours.buffers(), theirs.buffers(), strict=True))
+
+
+def _adopted(cls: type, base: type) -> type:
+    """A class of cupynorm's forward over the subclass ``cls`` (made once per subclass)."""
+    if cls not in _ADOPTED:
+        ours = _REPLACEMENTS[base]
+        _ADOPTED[cls] = type(
+            cls.__name__,
+            (ours, cls),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
+        )
+    return _ADOPTED[cls]
 
 
 def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
@@ -53,15 +129,18 @@ def replace_norms(
 ) -> torch.nn.Module:
     """Convert every torch.nn normalization submodule of ``model`` to cupynorm's, in place.
 
-    Modules of exactly the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm`` and
-    ``BatchNorm1d/2d/3d`` become :class:`cupynorm.torch.InstanceNorm2d` etc.; subclasses such
-    as ``SyncBatchNorm`` are left alone. The converted modules keep their parameters and buffers
-    (the same tensor objects), device, dtype, training mode and hooks. On the CPU they compute
-    exactly as before; on CUDA they run cupynorm's kernels.
+    Modules of the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm`` and
+    ``BatchNorm1d/2d/3d`` become :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them
+    are converted when their ``forward`` computes the same (see the module docstring), and left
+    alone with a warning otherwise; ``SyncBatchNorm`` (not a subclass of these) is left alone.
+    The converted modules keep their parameters and buffers (the same tensor objects), device,
+    dtype, training mode and hooks. On the CPU they compute exactly as before; on CUDA they run
+    cupynorm's kernels. A converted subclass has a class made at conversion time: save the
+    model's ``state_dict`` (as torch recommends), not the pickled module.
 
     Args:
         model: the model; ``model`` itself is converted too if it is a normalization module.
-        include: torch.nn classes to convert (default: all seven).
+        include: torch.nn classes to convert, with their subclasses (default: all seven).
         exclude: torch.nn classes to leave alone (applied after ``include``).
 
     Returns:
@@ -80,8 +159,25 @@ def replace_norms(
         raise TypeError(f"replace_norms: expected a torch.nn.Module, got {type(model).__name__}")
     kinds = _classes("include", include) if include is not None else set(_REPLACEMENTS)
     kinds -= _classes("exclude", exclude)
+    left_alone: dict[str, int] = {}
     for module in model.modules():  # each module once, even when shared
         cls = type(module)
-        if cls in kinds:
+        base = _torch_base(cls)
+        if base is None or base not in kinds:
+            continue
+        if cls is base:
             module.__class__ = _REPLACEMENTS[cls]
+        elif _computes_like(module, base):
+            module.__class__ = _adopted(cls, base)
+        else:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            left_alone[name] = left_alone.get(name, 0) + 1
+    if left_alone:
+        names = ", ".join(f"{name} (x{count})" for name, count in left_alone.items())
+        warnings.warn(
+            "replace_norms: left alone the modules whose forward does not compute what their "
+            f"torch.nn norm class computes: {names}",
+            UserWarning,
+            stacklevel=2,
+        )
     return model
