@@ -1159,3 +1159,15 @@ def test_replace_norms_timm_norms():
         cnt.replace_norms(model)
     assert isinstance(model[0], cnt.GroupNorm) and isinstance(model[0], layers.GroupNorm)
     assert type(model[1]) is layers.BatchNormAct2d
+
+
+def test_raise_like_torch_without_a_meta_kernel_says_ours():
+    """When torch has no meta kernel for the call, cupynorm's own message is raised."""
+    from cupynorm.torch import _checks
+
+    def no_meta(x):
+        raise NotImplementedError("no meta kernel")
+
+    with pytest.raises(cupynorm.InvalidInputError, match="ours"):
+        _checks.raise_like_torch(no_meta, (torch.randn(2),), ours="ours")
+    _checks.raise_like_torch(no_meta, (torch.randn(2),))  # nothing of ours: the call goes on

@@ -7,9 +7,9 @@ copies of the tensors (shapes and dtypes only, no data), and whatever it raises 
 torch's message -- the installed torch's wording, whichever version -- as
 :class:`~cupynorm.errors.InvalidInputError` (torch's ``ValueError``/``RuntimeError``: it is both) or
 :class:`~cupynorm.errors.InvalidTypeError` (``TypeError``). Other exception types are raised as
-torch raised them. When torch accepts the arguments on meta, the call goes on, unless cupynorm's
-kernels cannot take them (a parameter of the wrong length, another device, an integer dtype): then
-cupynorm's own message says so.
+torch raised them. When torch accepts the arguments on meta (or has no meta kernel to tell), the
+call goes on, unless cupynorm's kernels cannot take them (a parameter of the wrong length,
+another device, an integer dtype): then cupynorm's own message says so.
 
 Tensors on the CPU never come here: the functional API hands them to :mod:`torch.nn.functional`,
 which raises its own errors.
@@ -46,9 +46,9 @@ def raise_like_torch(
     meta_kwargs = {k: _to_meta(v) for k, v in (kwargs or {}).items()}
     try:
         torch_fn(*meta_args, **meta_kwargs)
+    except NotImplementedError:
+        pass  # no meta kernel for what torch would run: torch cannot tell here, cupynorm says
     except (ValueError, RuntimeError) as error:
-        if isinstance(error, NotImplementedError):
-            raise
         raise InvalidInputError(str(error)) from None
     except TypeError as error:
         raise InvalidTypeError(str(error)) from None
