@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the README's full test command (what a user runs: CPU and GPU
 # tests together), then the quick timing of the seed workloads.
-# Runs from the source tree with the machine's python3 (torch + cupy already installed there).
+# Runs from the source tree with the machine's python3 (torch + cupy already installed there, and
+# the `test` extra: the packaging test builds the wheel with hatchling and no network).
+# With pytest-random-order installed, the suite runs a second time in random order (test
+# isolation: a test that leaks global state fails another one).
 # Logs go to $OUT when set (the device machine's output folder), else to ./gpu_check_logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +16,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/gpu.txt"
 python3 -m pytest -q ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
+if python3 -c "import random_order" 2>/dev/null; then
+    python3 -m pytest -q -p random_order --random-order ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_random.log"
+    tests_rc=$(( tests_rc != 0 || PIPESTATUS[0] != 0 ))
+fi
 python3 scripts/quick_timing.py ${TIMING_ARGS:-} 2>&1 | tee "$out/timing.log"
 timing_rc=${PIPESTATUS[0]}
 echo "gpu tests exit $tests_rc, timing exit $timing_rc"
