@@ -9,7 +9,9 @@ with ``__dlpack__`` goes through ``cupy.from_dlpack`` and comes back through its
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16")
@@ -80,6 +82,28 @@ class TorchBackend:
 
     def empty_strided_like(self, x: Any) -> Any:
         return self.torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+    def empty_like(self, x: Any) -> Any:
+        """Same shape, dtype and (for dense tensors) strides as x; the cheapest allocation."""
+        return self.torch.empty_like(x)
+
+    def allocator(self, method: str, args: tuple, like: Any) -> Callable[..., Any]:
+        """A replay's allocation, arguments resolved once: ``empty_like`` takes the tensor, the
+        others nothing (the device is the recorded call's; shapes are passed as separate ints,
+        which torch parses faster than a tuple)."""
+        torch, device = self.torch, like.device
+        if method == "empty_like":
+            return torch.empty_like
+        if method == "empty":
+            shape, dtype = args
+            dtype = self.from_name[dtype]
+            return functools.partial(torch.empty, *shape, dtype=dtype, device=device)
+        if method == "zeros_int32":
+            return functools.partial(torch.zeros, args[0], dtype=torch.int32, device=device)
+        shape, strides, dtype = args  # empty_strided
+        return functools.partial(
+            torch.empty_strided, shape, strides, dtype=self.from_name[dtype], device=device
+        )
 
     def empty_strided(
         self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, like: Any
@@ -162,13 +186,35 @@ class CupyBackend:
     def empty_strided_like(self, x: Any) -> Any:
         return self.empty_strided(x.shape, self.strides(x), x.dtype.name, x)
 
+    def empty_like(self, x: Any) -> Any:
+        return self.empty_strided_like(x)
+
+    def allocator(self, method: str, args: tuple, like: Any) -> Callable[..., Any]:
+        """A replay's allocation (see :meth:`TorchBackend.allocator`)."""
+        if method == "empty_like":
+            return self.empty_like
+        # a new Device per use: a Device object's context stack is not per thread
+        device_id, Device = like.device.id, self.cupy.cuda.Device
+        if method == "empty_strided":
+            shape, strides, dtype = args
+            return lambda: self.empty_strided(shape, strides, dtype, Device(device_id))
+        make = self.cupy.empty if method == "empty" else self.cupy.zeros
+        shape, dtype = args if method == "empty" else (args, "int32")
+
+        def allocate() -> Any:
+            with Device(device_id):
+                return make(shape, dtype=dtype)
+
+        return allocate
+
     def empty_strided(
         self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, like: Any
     ) -> Any:
-        """An array laid out like one of these strides (the order of its axes in memory)."""
+        """An array laid out like one of these strides (the order of its axes in memory);
+        ``like``: an array on the device, or the device itself."""
         # allocate in the order of decreasing strides, then view back into the given axis order
         order = sorted(range(len(shape)), key=lambda d: (-strides[d], d))
-        with like.device:
+        with getattr(like, "device", like):
             base = self.cupy.empty(tuple(shape[d] for d in order), dtype=dtype)
         inverse = [order.index(d) for d in range(len(shape))]
         return base.transpose(inverse)

@@ -6,11 +6,17 @@ problem. Everything it decides depends only on the call's signature (shapes, str
 it while recording the allocations and launches; later calls allocate the same outputs and replay
 the launches with the new pointers. A call that does anything else (a copy, a torch/CuPy
 operation, an input passed twice) is not recorded and always runs the full path.
+
+A replay is lean on purpose (it is the host time of every call after the first): each allocation
+is a closure with its arguments resolved, outputs shaped like an input are ``empty_like`` of it,
+and the call's scratch buffers (allocated, launched on, never returned) become one workspace
+allocation, each buffer at its own 256-byte-aligned offset.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +35,8 @@ _PURE_BACKEND = frozenset({"name", "ptr", "strides", "device_id", "stream", "dty
 _PROGRAMS: dict[tuple, Any] = {}
 _PROGRAMS_MAX = 4096  # distinct signatures kept; the cache is cleared when it is full
 _UNRECORDABLE = object()
+_ALIGN = 256  # bytes: offsets of the scratch buffers in the workspace
+_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 #: Test hook: when set, a recorded call is replayed at once and this is called with both calls'
 #: outputs (the GPU tests assert they are identical, so every test exercises the replay). Calls
 #: that update running statistics in place are replayed only when called again.
@@ -41,6 +49,7 @@ class _Recording:
         self.ok = True
         self.mutating = False  # the kernels write to an input: a replay is not idempotent
         self.objects = list(tensors)  # the inputs, then every allocation in order
+        self.n_inputs = len(tensors)
         self.sources: dict[int, int] = {}  # pointer -> index into objects
         for i, t in enumerate(tensors):
             p = bk.ptr(t)
@@ -48,7 +57,7 @@ class _Recording:
                 self.ok = False
             if p:
                 self.sources[p] = i
-        self.allocations: list[tuple[str, tuple]] = []
+        self.allocations: list[tuple[str, tuple]] = []  # (method, args); empty_like: (index,)
         self.steps: list[tuple] = []
 
     def allocated(self, obj: Any, method: str, args: tuple) -> Any:
@@ -58,6 +67,9 @@ class _Recording:
         self.objects.append(obj)
         self.allocations.append((method, args))
         return obj
+
+    def index(self, obj: Any) -> int | None:
+        return next((i for i, o in enumerate(self.objects) if o is obj), None)
 
     def step(self, launcher: Any, grid: int, block: tuple, smem: int, args: tuple) -> None:
         template, slots = [], []
@@ -77,15 +89,52 @@ class _Recording:
             if out is None:
                 indices.append(None)
                 continue
-            index = next((i for i, o in enumerate(self.objects) if o is out), None)
+            index = self.index(out)
             if index is None:
                 return None
             indices.append(index)
         if not self.ok:
             return None
-        # the backend's allocation methods, bound once
-        allocations = tuple((getattr(self.bk, m), args) for m, args in self.allocations)
-        return _Program(allocations, tuple(self.steps), tuple(indices), self.mutating)
+        return self._build(tuple(indices))
+
+    def _build(self, outputs: tuple) -> _Program:
+        """The replay: allocation closures, the scratch buffers merged into one workspace, the
+        launches' pointer slots as (argument, object, byte offset)."""
+        n_inputs = self.n_inputs
+        kept = set(outputs) | {
+            n_inputs + i for i, (m, _a) in enumerate(self.allocations) if m != "empty"
+        }
+        # object index -> (index in the replay's objects, byte offset); -1: the workspace
+        where: dict[int, tuple[int, int]] = {i: (i, 0) for i in range(n_inputs)}
+        allocations, workspace_bytes = [], 0
+        like = self.objects[0]
+        for i, (method, args) in enumerate(self.allocations):
+            obj = n_inputs + i
+            if obj not in kept:  # scratch: a piece of the workspace
+                where[obj] = (-1, workspace_bytes)
+                shape, dtype = args
+                workspace_bytes += -(-math.prod(shape) * _BYTES[dtype] // _ALIGN) * _ALIGN
+                continue
+            where[obj] = (n_inputs + len(allocations), 0)
+            if method == "empty_like":
+                allocations.append((self.bk.allocator(method, (), like), where[args[0]][0]))
+            else:
+                allocations.append((self.bk.allocator(method, args, like), None))
+        workspace = n_inputs + len(allocations)
+        if workspace_bytes:
+            size = (workspace_bytes // 4,)
+            allocations.append((self.bk.allocator("empty", (size, "float32"), like), None))
+
+        def place(obj: int) -> tuple[int, int]:
+            index, offset = where[obj]
+            return (workspace if index < 0 else index), offset
+
+        steps = tuple(
+            (launcher, grid, block, smem, template, tuple((i, *place(src)) for i, src in slots))
+            for launcher, grid, block, smem, template, slots in self.steps
+        )
+        outputs = tuple(None if o is None else place(o)[0] for o in outputs)
+        return _Program(tuple(allocations), steps, outputs, self.mutating)
 
 
 class _RecordingBackend:
@@ -102,9 +151,16 @@ class _RecordingBackend:
         return self._recording.allocated(self._bk.zeros_int32(n, like), "zeros_int32", (n,))
 
     def empty_strided_like(self, x: Any) -> Any:
-        out = self._bk.empty_strided_like(x)
-        args = (tuple(x.shape), tuple(self._bk.strides(x)), self._bk.dtype_name(x))
-        return self._recording.allocated(out, "empty_strided", args)
+        bk, recording = self._bk, self._recording
+        source = recording.index(x)
+        if source is not None and source < recording.n_inputs:
+            # replayed as empty_like(that input) where that allocates the same layout
+            out = bk.empty_like(x)
+            if out.shape == x.shape and bk.strides(out) == bk.strides(x):
+                return recording.allocated(out, "empty_like", (source,))
+        out = bk.empty_strided_like(x)
+        args = (tuple(x.shape), tuple(bk.strides(x)), bk.dtype_name(x))
+        return recording.allocated(out, "empty_strided", args)
 
     def contiguous(self, x: Any) -> Any:
         out = self._bk.contiguous(x)
@@ -128,18 +184,17 @@ class _Program:
         self.mutating = mutating
 
     def run(self, bk: Any, device: int, tensors: list) -> tuple:
-        like = tensors[0]
         objects = list(tensors)
-        for allocate, args in self.allocations:
-            objects.append(allocate(*args, like))
+        for allocate, like in self.allocations:
+            objects.append(allocate() if like is None else allocate(objects[like]))
         ptr = bk.ptr
         pointers = [ptr(o) for o in objects]
         stream = bk.stream(device)
         with _compile.current_device(device):
             for launcher, grid, block, smem, template, slots in self.steps:
                 args = list(template)
-                for i, source in slots:
-                    args[i] = pointers[source]
+                for i, source, offset in slots:
+                    args[i] = pointers[source] + offset
                 launcher.launch(grid, block, smem, stream, args)
         return tuple(None if i is None else objects[i] for i in self.outputs)
 

@@ -6,6 +6,10 @@ synchronization (the GPU work of a step is a few microseconds and never the bott
 step; then the forward alone and the backward alone, the kernel launches and the tensors
 allocated per step, and a cProfile of the cupynorm step (functions by own time).
 
+The breakdown (``--layer bn``) times each layer of the cupynorm call alone on the same
+tensors, and a floor: a bare Python ``autograd.Function`` with the same inputs, outputs, saved
+tensors and allocations but no kernels -- what any norm written as a Python Function pays.
+
 Usage: python scripts/profile_train_host.py [--layer bn|gn] [--steps N]
 """
 
@@ -22,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm.torch as cnt  # noqa: E402
-from cupynorm import _compile  # noqa: E402
+from cupynorm import _compile, _interop  # noqa: E402
+
+_BACKEND = _interop.TorchBackend()
 
 
 def _layers(kind: str):
@@ -31,16 +37,90 @@ def _layers(kind: str):
     return torch.nn.GroupNorm(32, 64), cnt.GroupNorm(32, 64), (8, 64, 14, 14)
 
 
-def per_step_us(fn, steps: int) -> float:
+def per_step_us(fn, steps: int, repeats: int = 5) -> float:
+    """Issue time per call: the best of ``repeats`` runs of ``steps // repeats`` calls."""
     for _ in range(30):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    issued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return issued / steps * 1e6
+    best = float("inf")
+    n = max(1, steps // repeats)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - start) / n)
+        torch.cuda.synchronize()
+    return best * 1e6
+
+
+class _Floor(torch.autograd.Function):
+    """A norm layer's autograd with no kernels: the same allocations, saved tensors and grads."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        y = torch.empty_like(x)
+        mean, rstd = x.new_empty(x.shape[1], dtype=torch.float32), x.new_empty(x.shape[1])
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.mark_non_differentiable(mean, rstd)
+        ctx.set_materialize_grads(False)
+        return y, mean, rstd
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        x, weight, _mean, _rstd = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+
+
+def breakdown(module, x, dy, steps: int) -> None:
+    """Host us per call of each layer of the BatchNorm call, outermost first."""
+    from cupynorm import _ops, _program
+    from cupynorm.torch import _autograd, _kernels, functional
+
+    w, b, rm, rv = module.weight, module.bias, module.running_mean, module.running_var
+    xd = x.detach()
+    fwd_args = (xd, w.detach(), b.detach(), rm, rv, True, 0.1, 1e-5)
+    y, mean, rstd = _kernels._batch_norm_fwd_cuda(*fwd_args)
+    bwd_args = (dy, xd, mean, rstd, w.detach(), True, (True, True, True))
+    programs = {key[0]: p for key, p in _program._PROGRAMS.items() if key[0].startswith("batch")}
+    fwd_program, bwd_program = programs["batch_norm_fwd"], programs["batch_norm_bwd"]
+    fwd_tensors = [t for t in fwd_args if isinstance(t, torch.Tensor)]
+    bwd_tensors = [t for t in bwd_args if isinstance(t, torch.Tensor)]
+    launcher, grid, block, smem, template, _slots = fwd_program.steps[0]
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def floor_step():
+        _Floor.apply(x, w, b)[0].backward(dy)
+
+    rows = {
+        "floor: bare autograd.Function fwd+bwd (no kernels)": floor_step,
+        "floor: bare autograd.Function fwd": lambda: _Floor.apply(x, w, b),
+        "module forward (grad)": lambda: module(x),
+        "functional.batch_norm (grad)": lambda: functional.batch_norm(
+            x, rm, rv, w, b, True, 0.1, 1e-5
+        ),
+        "_BatchNormFunction.apply": lambda: _autograd._BatchNormFunction.apply(
+            x, w, b, rm, rv, True, 0.1, 1e-5
+        ),
+        "_kernels._batch_norm_fwd_cuda": lambda: _kernels._batch_norm_fwd_cuda(*fwd_args),
+        "_ops.batch_norm_fwd (key + replay)": lambda: _ops.batch_norm_fwd(*fwd_args),
+        "replay of the forward program": lambda: fwd_program.run(_BACKEND, 0, fwd_tensors),
+        "_kernels._batch_norm_bwd_cuda": lambda: _kernels._batch_norm_bwd_cuda(*bwd_args),
+        "_ops.batch_norm_bwd (key + replay)": lambda: _ops.batch_norm_bwd(
+            *bwd_args[:-1], (True, True, True)
+        ),
+        "replay of the backward program": lambda: bwd_program.run(_BACKEND, 0, bwd_tensors),
+        "one launch (Launcher.launch)": lambda: launcher.launch(
+            grid, block, smem, stream, template
+        ),
+        "torch.empty((64,))": lambda: torch.empty((64,), device="cuda"),
+    }
+    print(
+        f"forward program: {len(fwd_program.allocations)} allocations, "
+        f"{len(fwd_program.steps)} launches; backward: {len(bwd_program.allocations)}, "
+        f"{len(bwd_program.steps)}"
+    )
+    for name, fn in rows.items():
+        print(f"  {name:55s} {per_step_us(fn, steps):7.1f} us")
 
 
 def main() -> None:
@@ -68,6 +148,9 @@ def main() -> None:
         full = per_step_us(step, args.steps)
         fwd = per_step_us(forward, args.steps)
         print(f"{name:9s} fwd+bwd {full:7.1f} us   fwd (no grad) {fwd:7.1f} us")
+
+    if args.layer == "bn":
+        breakdown(ours, x, dy, args.steps)
 
     launches = []
     original = _compile.Launcher.launch

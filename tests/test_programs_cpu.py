@@ -137,3 +137,33 @@ def test_inference_calls_pass_no_statistics(launches) -> None:
     ((kernel, _, _, _, args),) = launches
     assert kernel == "segment_norm_fwd_affine"
     assert args[4] == 0 and args[5] == 0  # mean, rstd: null pointers
+
+
+def test_scratch_buffers_are_one_workspace(launches) -> None:
+    """A replay allocates its outputs and one workspace; each scratch buffer of the recorded call
+    is a 256-byte-aligned piece of it, and the pieces do not overlap."""
+    shape = (4, 6, 3, 3)
+    w, b, rm, rv = torch.rand(6), torch.rand(6), torch.zeros(6), torch.ones(6)
+    _ops.batch_norm_fwd(torch.rand(shape), w, b, rm, rv, True, 0.1, 1e-5)
+    (program,) = _program._PROGRAMS.values()
+    # outputs y, mean, rstd, then the workspace for the variance and the partial statistics
+    assert len(program.allocations) == 4
+    launches.clear()
+    x = torch.rand(shape)
+    y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    known = _pointers(x, w, b, rm, rv, y, mean, rstd)
+    scratch = sorted(
+        {a for *_, args in launches for a in args if isinstance(a, int) and a > 4096} - known
+    )
+    assert len(scratch) == 2  # the variance and the partial statistics
+    assert (scratch[1] - scratch[0]) % 256 == 0  # the second piece starts past the first's
+
+
+def test_outputs_like_an_input_are_allocated_like_it(launches) -> None:
+    x = torch.rand(3, 8, 5, 7).to(memory_format=torch.channels_last)
+    _ops.group_norm_fwd(x, 2, None, None, 1e-5)
+    (program,) = _program._PROGRAMS.values()
+    x2 = torch.rand(3, 8, 5, 7).to(memory_format=torch.channels_last)
+    y2, _, _ = _ops.group_norm_fwd(x2, 2, None, None, 1e-5)
+    assert y2.stride() == x2.stride() and y2.dtype == x2.dtype
+    assert any(like == 0 for _allocate, like in program.allocations)  # empty_like(x)
