@@ -62,6 +62,10 @@ class TorchBackend:
         return x.data_ptr()
 
     @staticmethod
+    def pointers(xs: list) -> list[int]:
+        return [x.data_ptr() for x in xs]
+
+    @staticmethod
     def strides(x: Any) -> tuple[int, ...]:
         return x.stride()
 
@@ -162,6 +166,10 @@ class CupyBackend:
     @staticmethod
     def ptr(x: Any) -> int:
         return x.data.ptr
+
+    @staticmethod
+    def pointers(xs: list) -> list[int]:
+        return [x.data.ptr for x in xs]
 
     @staticmethod
     def strides(x: Any) -> tuple[int, ...]:

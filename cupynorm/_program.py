@@ -31,7 +31,9 @@ class _Active(threading.local):
 
 
 _active = _Active()
-_PURE_BACKEND = frozenset({"name", "ptr", "strides", "device_id", "stream", "dtype_name"})
+_PURE_BACKEND = frozenset(
+    {"name", "ptr", "pointers", "strides", "device_id", "stream", "dtype_name"}
+)
 _PROGRAMS: dict[tuple, Any] = {}
 _PROGRAMS_MAX = 4096  # distinct signatures kept; the cache is cleared when it is full
 _UNRECORDABLE = object()
@@ -187,8 +189,7 @@ class _Program:
         objects = list(tensors)
         for allocate, like in self.allocations:
             objects.append(allocate() if like is None else allocate(objects[like]))
-        ptr = bk.ptr
-        pointers = [ptr(o) for o in objects]
+        pointers = bk.pointers(objects)
         stream = bk.stream(device)
         with _compile.current_device(device):
             for launcher, grid, block, smem, template, slots in self.steps:
