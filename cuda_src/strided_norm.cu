@@ -15,6 +15,9 @@
 //   rows:    each (n, c) plane is S contiguous elements at n*sample_stride + c*chan_stride (NCHW);
 //   columns: channels innermost, element (n, r, c) at n*sample_stride + r*row_stride + c (NHWC).
 // V is the vector width: VEC (16-byte accesses) when the host has checked alignment, else 1.
+//
+// With STRIDED_NORM_DEVICE_ONLY defined, only the device functions are compiled (the single-launch
+// family, single_launch_norm.cu, includes this file for them).
 #include "common.cuh"
 
 #define UNROLL 4
@@ -80,6 +83,7 @@ __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t
     }
 }
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ x,
                                                    acc_t* __restrict__ partials, int64 n_runs,
                                                    int64 run_len, int64 run_stride, int64 set_stride,
@@ -89,6 +93,7 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
     else
         stats_rows<1>(x, partials, n_runs, run_len, run_stride, set_stride, chunk, ctas_per_set);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Columns passes deal each sample's rows to its CTAs in blocks, interleaved: CTA j of ctas_per_n
@@ -231,6 +236,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     }
 }
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1)
 strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ partials, int64 N,
                         int64 R, int64 C, int64 row_stride, int64 sample_stride, int64 ctas_per_n,
@@ -242,6 +248,7 @@ strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ part
         stats_cols<1>(x, partials, N, R, C, row_stride, sample_stride, ctas_per_n, groups,
                       chans_per_group);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // finalize: one warp per statistic set k merges its P triples (lane l takes l, l+32, ... in order,
@@ -252,15 +259,12 @@ strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ part
 // Running statistics (batch norm), when given, are updated here as torch does:
 //   running_mean = (1 - momentum) * running_mean + momentum * mean
 //   running_var  = (1 - momentum) * running_var  + momentum * var * unbias  (count / (count - 1))
-extern "C" __global__ void strided_norm_finalize(
-    const acc_t* __restrict__ partials, int64 K, int64 P, double count, acc_t eps,
+__device__ __forceinline__ void finalize_set(
+    int64 k, int lane, const acc_t* __restrict__ partials, int64 P, double count, acc_t eps,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
     const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
     param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
     acc_t unbias) {
-    const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x & 31;
-    if (k >= K) return;  // whole warps leave together
     // the set's first value, loaded now and used last
     const acc_t shift = lane == 0 ? to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b])
                                   : acc_t(0);
@@ -294,7 +298,22 @@ extern "C" __global__ void strided_norm_finalize(
     }
 }
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
+extern "C" __global__ void strided_norm_finalize(
+    const acc_t* __restrict__ partials, int64 K, int64 P, double count, acc_t eps,
+    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
+    const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
+    param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
+    acc_t unbias) {
+    const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    if (k >= K) return;  // whole warps leave together
+    finalize_set(k, threadIdx.x & 31, partials, P, count, eps, mean, rstd, var, x, shift_div,
+                 shift_a, shift_b, running_mean, running_var, momentum, unbias);
+}
+#endif
+
 // eval-mode statistics from the running ones: mean = running_mean, rstd = 1 / sqrt(running_var + eps)
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_running_stats(const param_t* __restrict__ running_mean,
                                                       const param_t* __restrict__ running_var,
                                                       int64 C, acc_t eps, acc_t* __restrict__ mean,
@@ -304,6 +323,7 @@ extern "C" __global__ void strided_norm_running_stats(const param_t* __restrict_
     mean[c] = to_acc(running_mean[c]);
     rstd[c] = rsqrt_acc(to_acc(running_var[c]) + eps);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // apply (elementwise), forward and backward in one body:
@@ -405,19 +425,23 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
         int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
         int64 tiles_per_plane, int64 tile_len, int vectorized
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
     if (vectorized)
         apply_rows<VEC, false>(APPLY_ROWS_ARGS);
     else
         apply_rows<1, false>(APPLY_ROWS_ARGS);
 }
+#endif
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
     if (vectorized)
         apply_rows<VEC, true>(APPLY_ROWS_ARGS);
     else
         apply_rows<1, true>(APPLY_ROWS_ARGS);
 }
+#endif
 
 // columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs, each taking
 // its sample's blocks of UNROLL * TY rows as the statistics pass does.
@@ -480,19 +504,23 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
         int64 ctas_per_n, int vectorized
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
     if (vectorized)
         apply_cols<VEC, false>(APPLY_COLS_ARGS);
     else
         apply_cols<1, false>(APPLY_COLS_ARGS);
 }
+#endif
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
     if (vectorized)
         apply_cols<VEC, true>(APPLY_COLS_ARGS);
     else
         apply_cols<1, true>(APPLY_COLS_ARGS);
 }
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // backward. With xhat = (x - mean) * rstd, y = xhat * w_c + b_c and L elements per statistic set:
@@ -557,6 +585,7 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     }
 }
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_sums_rows(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 C, int64 S, int64 sample_stride, int64 chan_stride,
@@ -568,6 +597,7 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
         bwd_sums_rows<1>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
                          chans_per_group, tiles_per_plane, tile_len);
 }
+#endif
 
 // columns layout, grid and block as apply_cols: one partial per (n, c, chunk), T = ctas_per_n.
 // Blocks of COLS_APPLY_UNROLL * TY rows as apply_cols. Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
@@ -636,6 +666,7 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
     }
 }
 
+#ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_sums_cols(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 R, int64 C, int64 row_stride, int64 sample_stride,
@@ -647,17 +678,16 @@ extern "C" __global__ void strided_norm_bwd_sums_cols(
         bwd_sums_cols<1>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
                          chans_per_group, ctas_per_n);
 }
+#endif
 
 // Pass 2. partials[(n*C + c)*T + t] for n < NP (NP = 1 when the columns pass folded the batch).
 // Warps 0 .. C-1: dweight[c], dbias[c]; warps C .. C+K-1: u[k], v[k]. Each warp's lanes take items
 // lane, lane+32, ... in order, then a fixed shuffle tree: bitwise reproducible.
-extern "C" __global__ void strided_norm_bwd_finalize(
-    const acc_t* __restrict__ partials, int64 NP, int64 C, int64 T, const acc_t* __restrict__ rstd,
-    const param_t* __restrict__ weight, int groups, int64 chans_per_group, int64 K, double count,
-    int training, void* __restrict__ dweight, void* __restrict__ dbias, acc_t* __restrict__ u,
-    acc_t* __restrict__ v) {
-    const int64 warp = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x & 31;
+__device__ __forceinline__ void bwd_finalize_warp(
+    int64 warp, int lane, const acc_t* __restrict__ partials, int64 NP, int64 C, int64 T,
+    const acc_t* __restrict__ rstd, const param_t* __restrict__ weight, int groups,
+    int64 chans_per_group, int64 K, double count, int training, void* __restrict__ dweight,
+    void* __restrict__ dbias, acc_t* __restrict__ u, acc_t* __restrict__ v) {
     if (warp < C) {
         if (dweight == nullptr && dbias == nullptr) return;
         const int64 c = warp;
@@ -714,3 +744,15 @@ extern "C" __global__ void strided_norm_bwd_finalize(
         v[k] = training ? -r * P / L : acc_t(0);
     }
 }
+
+#ifndef STRIDED_NORM_DEVICE_ONLY
+extern "C" __global__ void strided_norm_bwd_finalize(
+    const acc_t* __restrict__ partials, int64 NP, int64 C, int64 T, const acc_t* __restrict__ rstd,
+    const param_t* __restrict__ weight, int groups, int64 chans_per_group, int64 K, double count,
+    int training, void* __restrict__ dweight, void* __restrict__ dbias, acc_t* __restrict__ u,
+    acc_t* __restrict__ v) {
+    const int64 warp = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    bwd_finalize_warp(warp, threadIdx.x & 31, partials, NP, C, T, rstd, weight, groups,
+                      chans_per_group, K, count, training, dweight, dbias, u, v);
+}
+#endif

@@ -28,7 +28,11 @@ CTYPES: dict[str, str] = {
 }
 
 #: the kernel source files; each compiles for every element type
-SOURCE_FILES: tuple[str, ...] = ("segment_norm.cu", "strided_norm.cu")
+SOURCE_FILES: tuple[str, ...] = ("segment_norm.cu", "strided_norm.cu", "single_launch_norm.cu")
+#: the source whose kernels are launched cooperatively (every CTA resident: grid barriers inside)
+COOPERATIVE_SOURCE = "single_launch_norm.cu"
+#: the pseudo-source of a launch that zeroes memory on the stream (cuMemsetD32Async)
+MEMSET = "memset"
 
 
 def source_dir() -> Path:
@@ -86,6 +90,8 @@ _MAX_THREADS_PER_BLOCK = 0
 _SHARED_SIZE_BYTES = 1
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CUDA_ERROR_INVALID_CONTEXT = 201
+#: cuLaunchCooperativeKernel: the grid cannot be resident at once
+CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE = 720
 
 
 @functools.cache
@@ -132,11 +138,14 @@ class Launcher:
     launch; ``launch`` takes plain Python ints and floats (or numpy scalars) in that order.
     """
 
-    __slots__ = ("function", "device_id", "ptr", "_packer", "_offsets", "_local")
+    __slots__ = ("function", "device_id", "ptr", "cooperative", "_packer", "_offsets", "_local")
 
-    def __init__(self, function: Any, device_id: int, codes: str) -> None:
+    def __init__(
+        self, function: Any, device_id: int, codes: str, cooperative: bool = False
+    ) -> None:
         self.function = function  # keeps the module (and so the function pointer) alive
         self.device_id = device_id
+        self.cooperative = cooperative
         self.ptr = function.ptr
         self._packer = struct.Struct("@" + codes)
         self._offsets = [
@@ -168,14 +177,32 @@ class Launcher:
         bx, by, bz = (*block, 1, 1)[:3]
         driver = _driver()
         try:
-            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+            self._launch(driver, grid, bx, by, bz, smem, stream, address)
         except driver.CUDADriverError as error:
             # a thread that has not used CUDA yet has no current context: make the device's
             # primary context current (cudaSetDevice) and launch again
             if error.status != _CUDA_ERROR_INVALID_CONTEXT:
                 raise
             _runtime().setDevice(self.device_id)
-            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, address, 0)
+            self._launch(driver, grid, bx, by, bz, smem, stream, address)
+
+    def _launch(
+        self, driver: Any, grid: int, bx: int, by: int, bz: int, smem: int, stream: int, args: int
+    ) -> None:
+        if self.cooperative:
+            driver.launchCooperativeKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, args)
+        else:
+            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, args, 0)
+
+
+class Memset:
+    """A "launch" that zeroes ``args[1]`` 32-bit words at pointer ``args[0]`` on the stream
+    (recorded and replayed like a kernel launch; grid, block and shared memory are ignored)."""
+
+    def launch(
+        self, grid: int, block: tuple[int, ...], smem: int, stream: int, args: tuple | list
+    ) -> None:
+        _driver().memsetD32Async(int(args[0]), 0, int(args[1]), stream)
 
 
 @functools.cache
@@ -196,8 +223,12 @@ def _runtime() -> Any:
 def launcher(
     device_id: int, name: str, kernel: str, dtype: str, param_dtype: str | None, codes: str
 ) -> Launcher:
-    """The Launcher of one kernel variant for arguments of type ``codes``, cached."""
-    return Launcher(get_kernel(device_id, name, kernel, dtype, param_dtype), device_id, codes)
+    """The Launcher of one kernel variant for arguments of type ``codes``, cached (``name``
+    MEMSET: the memory-zeroing launch)."""
+    if name == MEMSET:
+        return Memset()
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    return Launcher(function, device_id, codes, cooperative=name == COOPERATIVE_SOURCE)
 
 
 @functools.cache

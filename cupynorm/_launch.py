@@ -18,6 +18,7 @@ from ._program import (
 
 _SEGMENT = "segment_norm.cu"
 _STRIDED = "strided_norm.cu"
+_SINGLE = "single_launch_norm.cu"
 
 _NULL = np.uint64(0)
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
@@ -88,6 +89,10 @@ class _Call:
             self.recording.step(launcher, grid, block, smem, args)
         with _compile.current_device(self.device):
             launcher.launch(grid, block, smem, self.stream, args)
+
+    def zero(self, t: Any, words: int) -> None:
+        """Zero the first ``words`` 32-bit words of ``t`` on the stream (a recorded step)."""
+        self.launch(_compile.MEMSET, "memset", 1, (1,), (self.ptr(t), np.int64(words)))
 
     def stats(self, shape: tuple[int, ...], like: Any) -> Any:
         return self.bk.empty(shape, self.acc, like)

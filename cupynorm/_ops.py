@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan
+from . import _plan, _single
 from ._launch import (
     _ITEMSIZE,
     _SEGMENT,
@@ -170,7 +170,7 @@ def batch_norm_fwd(
         if _plan.prod(tuple(x.shape)):
             _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
         return y, mean, rstd
-    mean, rstd, var = (call.stats((C,), x) for _ in range(3))
+    mean, rstd = call.stats((C,), x), call.stats((C,), x)
     count = N * S
     if count * C == 0:
         call.bk.fill_nan(mean)
@@ -178,6 +178,15 @@ def batch_norm_fwd(
         return y, mean, rstd
     if S == 1:
         layout = "channels_last"  # (N, C): channels innermost, one row per sample
+    if layout != "contiguous" and in_kernel:
+        if running:
+            call.mutates_inputs()
+        # fmt: off
+        if _single.batch_norm_fwd_cols(call, x, y, weight, bias, mean, rstd, running_mean,
+                                       running_var, momentum, eps, count, C):
+            return y, mean, rstd
+        # fmt: on
+    var = call.stats((C,), x)
     if layout == "contiguous":
         partials = _stats_rows(call, x, C, N, S, C * S, S)
     else:

@@ -232,6 +232,13 @@ def plan_cols(
     return ColsPlan(tx, ty, ctas, vectorized)
 
 
+def stats_cols_smem(threads: int, vec: int, staged: bool, acc_size: int) -> int:
+    """Dynamic shared memory of a columns statistics block: its triples, overlaying (16-byte
+    packs) the two stages of staged rows."""
+    ring = 2 * COLS_STATS_ROWS * threads * 16 if staged else 0
+    return max(threads * vec * 3 * acc_size, ring)
+
+
 def finalize_grid(num_sets: int) -> tuple[int, int]:
     """(CTAs, threads) of the finalize kernel."""
     return -(-num_sets // FINALIZE_WARPS), 32 * FINALIZE_WARPS

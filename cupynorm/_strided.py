@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _compile, _plan
+from . import _compile, _plan, _single
 from ._launch import (
     _ITEMSIZE,
     _NULL,
@@ -66,9 +66,7 @@ def _stats_cols(
     acc_size = np.dtype(call.acc).itemsize
 
     def smem_bytes(threads: int, vec: int, staged: bool) -> int:
-        # the block's triples, overlaying (16-byte packs) the two stages of staged rows
-        ring = 2 * _plan.COLS_STATS_ROWS * threads * 16 if staged else 0
-        return max(threads * vec * 3 * acc_size, ring)
+        return _plan.stats_cols_smem(threads, vec, staged, acc_size)
 
     resident = _compile.resident_ctas(
         call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,
@@ -261,12 +259,18 @@ def _backward(
     count = cpg * S if groups > 0 else N * S
     dweight = call.grads((C,), weight, x) if need_dw else None
     dbias = call.grads((C,), weight, x) if need_db else None
-    u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     if N * C * S == 0:
         for grad in (dweight, dbias):
             if grad is not None:
                 call.bk.fill_zero(grad)
         return dx, dweight, dbias
+    if not geo.rows and groups == 0:  # BatchNorm on channels-innermost data: one launch?
+        # fmt: off
+        if _single.batch_norm_bwd_cols(call, dy, x, mean, rstd, weight, dx, dweight, dbias,
+                                       N * S, C, training):
+            return dx, dweight, dbias
+        # fmt: on
+    u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean)
     partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
     smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]

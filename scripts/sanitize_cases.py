@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm  # noqa: E402
-from cupynorm import _ops  # noqa: E402
+from cupynorm import _ops, _single  # noqa: E402
 
 
 def close(a, b, tol=1e-4):
@@ -67,6 +67,16 @@ def main() -> None:
                 _ops.group_norm_bwd(dy, inp, m, r, w, groups, (True, True, True))
                 _, m, r = _ops.batch_norm_fwd(inp, w, None, None, None, True, 0.1, 1e-5)
                 _ops.batch_norm_bwd(dy, inp, m, r, w, True, (True, True, True))
+            # channels_last BatchNorm: the single launch (above) and the split passes, with
+            # running statistics, without dx, and in eval
+            dyl = dy.to(memory_format=torch.channels_last)
+            for single in (True, False):
+                _single.enable(single)
+                _, m, r = _ops.batch_norm_fwd(xl, w, w, rm, rv, True, 0.1, 1e-5)
+                _ops.batch_norm_bwd(dyl, xl, m, r, w, True, (True, True, True))
+                _ops.batch_norm_bwd(dyl, xl, m, r, None, True, (False, True, True))
+                _ops.batch_norm_bwd(dyl, xl, m, r, w, False, (True, False, True))
+            _single.enable(True)
         # the split path: one segment longer than a team holds (GroupNorm(1) of 8 x 512 x 512)
         x = torch.randn(1, 8, 512, 512, device="cuda", dtype=dtype)
         close(cupynorm.group_norm(x, 1), F.group_norm(x.float(), 1), tol * 3)

@@ -167,3 +167,97 @@ def test_outputs_like_an_input_are_allocated_like_it(launches) -> None:
     y2, _, _ = _ops.group_norm_fwd(x2, 2, None, None, 1e-5)
     assert y2.stride() == x2.stride() and y2.dtype == x2.dtype
     assert any(like == 0 for _allocate, like in program.allocations)  # empty_like(x)
+
+
+# ---- the single-launch family ----------------------------------------------------------------
+def _bn_cl(shape=(4, 16, 5, 7)):
+    x = torch.rand(shape).to(memory_format=torch.channels_last)
+    c = shape[1]
+    return x, torch.rand(c), torch.rand(c), torch.zeros(c), torch.ones(c)
+
+
+def test_batch_norm_channels_last_training_is_one_cooperative_launch(launches) -> None:
+    x, w, b, rm, rv = _bn_cl()
+    y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    (memset, *_, zero_args), (kernel, grid, block, smem, args) = launches
+    assert memset == "memset" and kernel == "single_launch_batch_norm_fwd_cols"
+    arrived = zero_args[0]
+    assert zero_args[1] == 1 and args[5] == arrived  # the counter the kernel's barriers use
+    assert args[:2] == [x.data_ptr(), y.data_ptr()] and args[6:10] == [
+        mean.data_ptr(),
+        rstd.data_ptr(),
+        rm.data_ptr(),
+        rv.data_ptr(),
+    ]
+    assert 1 <= grid <= 2 * H200.sm_count  # one wave of resident CTAs (the fixture says 2 per SM)
+    assert block[0] * block[1] <= _plan.COLS_THREADS and smem > 0
+    (program,) = _program._PROGRAMS.values()
+    assert program.mutating  # the running statistics are updated in the kernel
+
+    launches.clear()
+    dy = torch.rand(x.shape).to(memory_format=torch.channels_last)
+    dx, dw, db = _ops.batch_norm_bwd(dy, x, mean, rstd, w, True, (True, True, True))
+    assert [k for k, *_ in launches] == ["memset", "single_launch_batch_norm_bwd_cols"]
+    args = launches[1][-1]
+    assert args[:3] == [x.data_ptr(), dy.data_ptr(), dx.data_ptr()]
+    assert args[10:12] == [dw.data_ptr(), db.data_ptr()] and args[8] and args[9]  # u, v
+    launches.clear()
+    _ops.batch_norm_bwd(dy, x, mean, rstd, w, True, (False, True, True))
+    args = launches[1][-1]
+    assert args[2] == 0 and args[8] == 0 and args[9] == 0  # no dx: no dx coefficients
+
+
+def test_single_launch_is_bounded_and_can_be_turned_off(launches, monkeypatch) -> None:
+    from cupynorm import _single
+
+    x, w, b, rm, rv = _bn_cl()
+    monkeypatch.setattr(_single, "enabled", False)  # the fixture starts with no programs
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    split = ["strided_norm_stats_cols", "strided_norm_finalize", "strided_norm_apply_cols"]
+    assert [k for k, *_ in launches] == split
+    monkeypatch.setattr(_single, "enabled", True)
+    monkeypatch.setattr(_single, "MAX_BYTES", x.numel() * 4 - 1)
+    _program._PROGRAMS.clear()  # a replay would repeat the recorded path
+    launches.clear()
+    _ops.batch_norm_fwd(torch.rand(x.shape).to(memory_format=torch.channels_last), w, b, rm, rv,
+                        True, 0.1, 1e-5)  # fmt: skip
+    assert [k for k, *_ in launches] == split
+    # NCHW and GroupNorm keep their own families
+    launches.clear()
+    _ops.batch_norm_fwd(torch.rand(4, 16, 5, 7), w, b, rm, rv, True, 0.1, 1e-5)
+    assert not any(k.startswith("single_launch") for k, *_ in launches)
+
+
+def test_refused_cooperative_launch_falls_back_to_the_split_passes(launches, monkeypatch) -> None:
+    from cupynorm import _single
+
+    class Refused(RuntimeError):
+        status = _compile.CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE
+
+    class RefusingLauncher:
+        def __init__(self, kernel: str) -> None:
+            self.kernel = kernel
+
+        def launch(self, grid, block, smem, stream, args) -> None:
+            if self.kernel.startswith("single_launch"):
+                raise Refused("too large")
+            launches.append((self.kernel, grid, tuple(block), smem, [int(a) for a in args]))
+
+    monkeypatch.setattr(_compile, "launcher", lambda dev, src, kernel, *r: RefusingLauncher(kernel))
+    monkeypatch.setattr(_single, "_refused", set())
+    x, w, b, rm, rv = _bn_cl()
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    assert [k for k, *_ in launches][-3:] == [
+        "strided_norm_stats_cols",
+        "strided_norm_finalize",
+        "strided_norm_apply_cols",
+    ]
+    assert list(_program._PROGRAMS.values()) == [_program._UNRECORDABLE]
+    assert len(_single._refused) == 1
+    launches.clear()
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)  # not tried again
+    assert [k for k, *_ in launches] == [
+        "strided_norm_stats_cols",
+        "strided_norm_finalize",
+        "strided_norm_apply_cols",
+    ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import cuda_available
 
-from cupynorm import _compile, _ops
+from cupynorm import _compile, _ops, _single
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
 
@@ -24,21 +24,29 @@ def _allocations() -> int:
 def _count(call, monkeypatch) -> tuple[int, int, object]:
     """(allocations, launches, result) of one call."""
     launches = []
-    original = _compile.Launcher.launch
 
-    def counting(self, *args):
-        launches.append(self)
-        return original(self, *args)
+    def counting(original):
+        def launch(self, *args):
+            launches.append(self)
+            return original(self, *args)
+
+        return launch
 
     with monkeypatch.context() as patch:
-        patch.setattr(_compile.Launcher, "launch", counting)
+        for cls in (_compile.Launcher, _compile.Memset):  # kernels and the counter's memset
+            patch.setattr(cls, "launch", counting(cls.launch))
         before = _allocations()
         result = call()
         allocated = _allocations() - before
     return allocated, len(launches), result
 
 
-def test_replayed_batch_norm_training_step_allocates_outputs_and_one_workspace(monkeypatch):
+@pytest.mark.parametrize("single_launch", [True, False], ids=["single-launch", "split"])
+def test_replayed_batch_norm_training_step_allocates_outputs_and_one_workspace(
+    monkeypatch, request, single_launch
+):
+    _single.enable(single_launch)
+    request.addfinalizer(lambda: _single.enable(True))
     x = torch.randn(8, 64, 14, 14, device="cuda", dtype=torch.bfloat16)
     x = x.to(memory_format=torch.channels_last)
     w, b = torch.rand(64, device="cuda") + 0.5, torch.rand(64, device="cuda")
@@ -53,11 +61,13 @@ def test_replayed_batch_norm_training_step_allocates_outputs_and_one_workspace(m
 
     forward()  # recorded
     allocated, launched, (y, mean, rstd) = _count(forward, monkeypatch)
-    assert (allocated, launched) == (4, 3)  # y, mean, rstd, workspace; stats, finalize, apply
+    # y, mean, rstd, one workspace; the barrier counter's memset and the single launch
+    assert (allocated, launched) == ((4, 2) if single_launch else (4, 3))
     assert y.stride() == x.stride()
     backward(mean, rstd)  # recorded (and replayed once by the conftest check)
     allocated, launched, (dx, dw, db) = _count(lambda: backward(mean, rstd), monkeypatch)
-    assert (allocated, launched) == (4, 3)  # dx, dweight, dbias, workspace; sums, finalize, dx
+    # dx, dweight, dbias, one workspace; memset and launch, or sums, finalize, dx
+    assert (allocated, launched) == ((4, 2) if single_launch else (4, 3))
     ref_x = x.detach().float().requires_grad_()
     ref_w, ref_b = w.clone().requires_grad_(), b.clone().requires_grad_()
     ref = torch.nn.functional.batch_norm(ref_x, None, None, ref_w, ref_b, True, 0.1, 1e-5)
