@@ -31,7 +31,7 @@ CTYPES: dict[str, str] = {
 SOURCE_FILES: tuple[str, ...] = ("segment_norm.cu", "strided_norm.cu", "single_launch_norm.cu")
 #: the source whose kernels are launched cooperatively (every CTA resident: grid barriers inside)
 COOPERATIVE_SOURCE = "single_launch_norm.cu"
-#: the pseudo-source of a launch that zeroes memory on the stream (cuMemsetD32Async)
+#: the pseudo-source of a launch that zeroes memory on the stream (cudaMemsetAsync)
 MEMSET = "memset"
 
 
@@ -202,7 +202,7 @@ class Memset:
     def launch(
         self, grid: int, block: tuple[int, ...], smem: int, stream: int, args: tuple | list
     ) -> None:
-        _driver().memsetD32Async(int(args[0]), 0, int(args[1]), stream)
+        _runtime().memsetAsync(int(args[0]), 0, 4 * int(args[1]), stream)
 
 
 @functools.cache
@@ -210,6 +210,15 @@ def _driver() -> Any:
     from cupy.cuda import driver
 
     return driver
+
+
+@functools.cache
+def has_cooperative_launch() -> bool:
+    """Whether this CuPy exposes cuLaunchCooperativeKernel (the single-launch family needs it)."""
+    try:
+        return hasattr(_driver(), "launchCooperativeKernel")
+    except ImportError:  # no CUDA
+        return False
 
 
 @functools.cache

@@ -38,7 +38,11 @@ def enable(on: bool) -> None:
 
 
 def _fits(call: _Call, x: Any) -> bool:
-    return enabled and 0 < _plan.prod(tuple(x.shape)) * call.itemsize <= MAX_BYTES
+    return (
+        enabled
+        and 0 < _plan.prod(tuple(x.shape)) * call.itemsize <= MAX_BYTES
+        and _compile.has_cooperative_launch()
+    )
 
 
 def _grid(

@@ -51,6 +51,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(_compile, "max_block_threads", lambda *a: 1024)
     monkeypatch.setattr(_compile, "resident_ctas", lambda *a: 2)
     monkeypatch.setattr(_compile, "current_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_compile, "has_cooperative_launch", lambda: True)
     monkeypatch.setattr(_program, "check_replay", None)
     monkeypatch.setattr(_program, "_PROGRAMS", {})
     return log
