@@ -9,7 +9,7 @@ the call then runs the strided family's three passes. Each launch is preceded by
 barrier counter on the same stream (recorded and replayed with it).
 
 :func:`batch_norm_fwd_cols` and :func:`batch_norm_bwd_cols` return False when the single launch
-does not apply; the caller then runs the strided passes.
+does not apply (always, while :data:`enabled` is off); the caller then runs the strided passes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from ._launch import _ITEMSIZE, _SINGLE, _Call, _scalar
 #: Largest input (bytes of x; the backward also reads dy) run in one launch: above it the strided
 #: passes' larger apply grids win (benchmarks/NOTES.md, 2026-11-23).
 MAX_BYTES = 32 << 20
-enabled = True  # see enable()
+#: Off by default: in one GPU test run (H200, 2026-11-23) a small model converted with
+#: replace_norms (tests/test_torch_modules_gpu.py::test_replace_norms_cuda_same_outputs_and_grads,
+#: channels_last) got a slightly wrong input gradient at its second eval-mode step (35 of 756
+#: elements off by up to 5e-5) with this family on, while every test of the family itself
+#: passed (benchmarks/NOTES.md, 2026-11-23). It stays off until that is understood.
+enabled = False  # see enable()
 _refused: set[tuple] = set()  # launches the driver refused: (device, kernel, dtypes, grid, smem)
 
 

@@ -67,16 +67,17 @@ def main() -> None:
                 _ops.group_norm_bwd(dy, inp, m, r, w, groups, (True, True, True))
                 _, m, r = _ops.batch_norm_fwd(inp, w, None, None, None, True, 0.1, 1e-5)
                 _ops.batch_norm_bwd(dy, inp, m, r, w, True, (True, True, True))
-            # channels_last BatchNorm: the single launch (above) and the split passes, with
+            # channels_last BatchNorm: the single launch (off by default) and the split passes, with
             # running statistics, without dx, and in eval
             dyl = dy.to(memory_format=torch.channels_last)
+            default = _single.enabled
             for single in (True, False):
                 _single.enable(single)
                 _, m, r = _ops.batch_norm_fwd(xl, w, w, rm, rv, True, 0.1, 1e-5)
                 _ops.batch_norm_bwd(dyl, xl, m, r, w, True, (True, True, True))
                 _ops.batch_norm_bwd(dyl, xl, m, r, None, True, (False, True, True))
                 _ops.batch_norm_bwd(dyl, xl, m, r, w, False, (True, False, True))
-            _single.enable(True)
+            _single.enable(default)
         # the split path: one segment longer than a team holds (GroupNorm(1) of 8 x 512 x 512)
         x = torch.randn(1, 8, 512, 512, device="cuda", dtype=dtype)
         close(cupynorm.group_norm(x, 1), F.group_norm(x.float(), 1), tol * 3)

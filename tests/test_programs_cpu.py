@@ -177,7 +177,10 @@ def _bn_cl(shape=(4, 16, 5, 7)):
     return x, torch.rand(c), torch.rand(c), torch.zeros(c), torch.ones(c)
 
 
-def test_batch_norm_channels_last_training_is_one_cooperative_launch(launches) -> None:
+def test_batch_norm_channels_last_training_is_one_cooperative_launch(launches, monkeypatch) -> None:
+    from cupynorm import _single
+
+    monkeypatch.setattr(_single, "enabled", True)  # off by default (see cupynorm._single)
     x, w, b, rm, rv = _bn_cl()
     y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
     (memset, *_, zero_args), (kernel, grid, block, smem, args) = launches
@@ -208,11 +211,13 @@ def test_batch_norm_channels_last_training_is_one_cooperative_launch(launches) -
     assert args[2] == 0 and args[8] == 0 and args[9] == 0  # no dx: no dx coefficients
 
 
-def test_single_launch_is_bounded_and_can_be_turned_off(launches, monkeypatch) -> None:
+def test_single_launch_is_off_by_default_bounded_and_can_be_turned_off(
+    launches, monkeypatch
+) -> None:
     from cupynorm import _single
 
     x, w, b, rm, rv = _bn_cl()
-    monkeypatch.setattr(_single, "enabled", False)  # the fixture starts with no programs
+    assert not _single.enabled
     _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
     split = ["strided_norm_stats_cols", "strided_norm_finalize", "strided_norm_apply_cols"]
     assert [k for k, *_ in launches] == split
@@ -246,6 +251,7 @@ def test_refused_cooperative_launch_falls_back_to_the_split_passes(launches, mon
 
     monkeypatch.setattr(_compile, "launcher", lambda dev, src, kernel, *r: RefusingLauncher(kernel))
     monkeypatch.setattr(_single, "_refused", set())
+    monkeypatch.setattr(_single, "enabled", True)
     x, w, b, rm, rv = _bn_cl()
     _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
     assert [k for k, *_ in launches][-3:] == [

@@ -45,8 +45,8 @@ def _count(call, monkeypatch) -> tuple[int, int, object]:
 def test_replayed_batch_norm_training_step_allocates_outputs_and_one_workspace(
     monkeypatch, request, single_launch
 ):
+    request.addfinalizer(lambda default=_single.enabled: _single.enable(default))
     _single.enable(single_launch)
-    request.addfinalizer(lambda: _single.enable(True))
     x = torch.randn(8, 64, 14, 14, device="cuda", dtype=torch.bfloat16)
     x = x.to(memory_format=torch.channels_last)
     w, b = torch.rand(64, device="cuda") + 0.5, torch.rand(64, device="cuda")

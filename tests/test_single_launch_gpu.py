@@ -40,7 +40,10 @@ TOL = {torch.float32: 1e-4, torch.float64: 1e-12, torch.float16: 4e-3, torch.bfl
 
 @pytest.fixture
 def single_launches(monkeypatch):
-    """Count the single-launch kernels launched (cooperative launches)."""
+    """The family on (it is off by default: cupynorm._single), and the single-launch kernels
+    launched (cooperative launches) counted."""
+    default = _single.enabled
+    _single.enable(True)
     count = []
     original = _compile.Launcher.launch
 
@@ -50,7 +53,8 @@ def single_launches(monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(_compile.Launcher, "launch", launch)
-    return count
+    yield count
+    _single.enable(default)
 
 
 def _channels_last(x):
@@ -84,15 +88,12 @@ def _inputs(shape, dtype, pdtype, seed=0):
 
 
 @pytest.mark.parametrize("shape,dtype,pdtype", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_single_launch_matches_float64_and_the_split_passes(
-    shape, dtype, pdtype, single_launches, request
-):
+def test_single_launch_matches_float64_and_the_split_passes(shape, dtype, pdtype, single_launches):
     x, dy, w, b = _inputs(shape, dtype, pdtype)
     c = shape[1]
     results = {}
     for single in (True, False):
-        _single.enable(single)
-        request.addfinalizer(lambda: _single.enable(True))
+        _single.enable(single)  # the fixture restores the default
         rm, rv = (
             torch.zeros(c, device="cuda", dtype=pdtype),
             torch.ones(c, device="cuda", dtype=pdtype),
