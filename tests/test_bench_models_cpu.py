@@ -72,6 +72,16 @@ def test_list_shows_the_models_group(capsys: pytest.CaptureFixture[str]) -> None
         assert name in out
 
 
+def test_strip_norms_leaves_no_norm_layer() -> None:
+    torch = pytest.importorskip("torch")
+    model = bench.models.gn_resnet_blocks(bench.MODEL_WORKLOADS[2])
+    x = torch.randn(1, 320, 4, 4)
+    stripped = bench.models.strip_norms(model)
+    assert stripped is model and bench.models.count_norm_layers(model) == 0
+    assert any(isinstance(m, torch.nn.Identity) for m in model.modules())
+    assert model(x).shape == x.shape
+
+
 def test_gn_blocks_model_shape() -> None:
     torch = pytest.importorskip("torch")
     workload = dataclasses.replace(
@@ -223,6 +233,7 @@ def test_models_table_and_json_on_fake_numbers() -> None:
     eager_cupynorm = result.step("eager", "cupynorm")
     eager_cupynorm.kernel_ms, eager_cupynorm.norm_kernel_ms = 14.6, 7.8
     eager_cupynorm.host_us, eager_cupynorm.norm_kernels = 24000.0, 318.0
+    result.host_us_without_norms = 13400.0  # (24000 - 13400) / 53 = 200 us per norm layer
     missing = bench.ModelResult(
         bench.MODEL_WORKLOADS[2], quick=False, error="setup failed: ModuleNotFoundError: x"
     )
@@ -237,15 +248,17 @@ def test_models_table_and_json_on_fake_numbers() -> None:
         "14.6",
         "7.8",
         "24000",
+        "200",
         "6.0",
         "2.5e-05",
         "0.05 (> 2x torch)",
     ]
     torch_row = by_key[("resnet50_b64_bf16_cl", "eager", "torch")]
-    assert torch_row[4] == "1.00x" and torch_row[9:] == ["2.4e-05", "0.02"]
+    assert torch_row[4] == "1.00x" and torch_row[10:] == ["2.4e-05", "0.02"]
+    assert torch_row[8] == "-"  # no host time measured for it
     graphed = by_key[("resnet50_b64_bf16_cl", "graphed", "cupynorm")]
     assert graphed[3].startswith("ERROR: RuntimeError: operation not permitted")
-    assert graphed[9:] == ["", ""]  # accuracy only on eager rows
+    assert graphed[10:] == ["", ""]  # accuracy only on eager rows
     assert (
         by_key[("gn_blocks_fp16_cl", "-", "-")][3] == "ERROR: setup failed: ModuleNotFoundError: x"
     )
@@ -259,6 +272,8 @@ def test_models_table_and_json_on_fake_numbers() -> None:
     steps = {(s["mode"], s["impl"]): s for s in model["steps"]}
     assert steps[("eager", "cupynorm")]["speedup_vs_torch"] == pytest.approx(1.25)
     assert steps[("eager", "cupynorm")]["norm_launches_per_layer"] == pytest.approx(6.0)
+    assert steps[("eager", "cupynorm")]["host_us_per_norm_layer"] == pytest.approx(200.0)
+    assert model["host_us_without_norms"] == 13400.0
     assert "less accurate" in model["failure"]
 
 
@@ -355,9 +370,10 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
         eager_only = row[5:]
         if row[1] == "eager":
             assert all(cell not in ("-", "") for cell in eager_only), row
-            assert float(row[8]) > 0  # norm launches per layer
+            float(row[8])  # host us per norm layer: a number (of either sign on a CPU dry run)
+            assert float(row[9]) > 0  # norm launches per layer
         else:
-            assert eager_only == ["-", "-", "-", "-", "", ""], row
+            assert eager_only == ["-", "-", "-", "-", "-", "", ""], row
 
     report = json.loads(json_path.read_text())
     assert report["exit_code"] == 0 and report["workloads"] == []
@@ -369,6 +385,8 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
         assert len(model["steps"]) == 6
         eager = [s for s in model["steps"] if s["mode"] == "eager"]
         assert all(s["host_us"] > 0 and s["norm_kernel_ms_by_name"] for s in eager)
+        assert model["host_us_without_norms"] > 0
+        assert all(s["host_us_per_norm_layer"] is not None for s in eager)
         compiled = [s for s in model["steps"] if s["mode"] == "compile"]
         assert all(s["setup_s"] is not None and s["reps"] == 2 for s in compiled)
 
@@ -422,7 +440,7 @@ def test_less_accurate_cupynorm_fails_the_row(
     assert "WORSE THAN 2x TORCH" in captured.err
     assert "FAILED resnet50_b64_bf16_cl: cupynorm less accurate than torch" in captured.err
     rows = {tuple(row[:3]): row for row in _models_table(captured.out)[2:]}
-    assert rows[("resnet50_b64_bf16_cl", "eager", "cupynorm")][9].endswith("(> 2x torch)")
+    assert rows[("resnet50_b64_bf16_cl", "eager", "cupynorm")][10].endswith("(> 2x torch)")
 
 
 def test_a_failing_mode_is_that_cell_only(

@@ -27,7 +27,9 @@ layers and with `cupynorm.torch.replace_norms` of a copy, from the same weights 
 batch, in three modes: eager, graphed (the whole step captured in one CUDA graph) and compile
 (`torch.compile(model)`). Per row: step ms (median, CUDA events around whole steps) and the
 speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms per step and
-kernel launches per norm layer (torch.profiler) and the host time to issue a step. Before timing,
+kernel launches per norm layer (torch.profiler), the host time to issue a step and, from it less
+that of the model with its norm layers replaced by nn.Identity, the host time per norm layer
+(forward + backward). Before timing,
 the output and input gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm
 fails the row when its error is above 2x torch's. See `cupynorm.bench.train`.
 

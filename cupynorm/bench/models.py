@@ -143,15 +143,33 @@ def build_model(workload: ModelWorkload) -> torch.nn.Module:
     return MODEL_FACTORIES[workload.model](workload)
 
 
-def count_norm_layers(model: torch.nn.Module) -> int:
-    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm modules of the model (cupynorm's modules
-    subclass torch's, so they count too)."""
+def _norm_kinds() -> tuple[type, ...]:
     from torch import nn
 
-    kinds = (
+    return (
         nn.modules.batchnorm._BatchNorm,
         nn.GroupNorm,
         nn.modules.instancenorm._InstanceNorm,
         nn.LayerNorm,
     )
+
+
+def count_norm_layers(model: torch.nn.Module) -> int:
+    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm modules of the model (cupynorm's modules
+    subclass torch's, so they count too)."""
+    kinds = _norm_kinds()
     return sum(1 for module in model.modules() if isinstance(module, kinds))
+
+
+def strip_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with every norm layer counted by `count_norm_layers` replaced by
+    `nn.Identity`, in place (the host time of a step without them is the baseline of the host
+    time per norm layer)."""
+    from torch import nn
+
+    kinds = _norm_kinds()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, kinds):
+                setattr(parent, name, nn.Identity())
+    return model

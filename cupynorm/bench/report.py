@@ -287,6 +287,7 @@ MODEL_TABLE_COLUMNS = (
     "kernel ms",
     "norm ms",
     "host us",
+    "host us/norm layer",
     "norm launches/layer",
     "out err",
     "dx err",
@@ -319,13 +320,13 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
     for result in results:
         name = result.workload.name
         if result.error is not None and not result.steps:
-            rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 7)
+            rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 8)
             continue
         for step in result.steps:
             row = [name, step.mode, step.impl]
             if step.ms is None:
                 row.append(_escape_cell(f"ERROR: {step.error or 'not run'}"))
-                row.extend(["-"] * 5)
+                row.extend(["-"] * 6)
             else:
                 reference = result.step(step.mode, MODEL_TORCH)
                 row.append(format_ms(step.ms))
@@ -333,6 +334,7 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
                 row.append(_number(step.kernel_ms, ".4g"))
                 row.append(_number(step.norm_kernel_ms, ".4g"))
                 row.append(_number(step.host_us, ".0f"))
+                row.append(_number(result.host_us_per_norm_layer(step), ".0f"))
                 row.append(_number(step.norm_launches_per_layer(result.norm_layers), ".1f"))
             row.extend(_error_cells(result, step))
             rows.append(row)
@@ -360,7 +362,9 @@ def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
         "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
         "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode.",
         "Eager rows: kernel ms / norm ms = GPU kernel time per step, all kernels / norm kernels "
-        "(torch.profiler); host us = wall time to issue one step with the device idle; norm "
+        "(torch.profiler); host us = wall time to issue one step with the device idle; host "
+        "us/norm layer = (host us - host us of the same model with its norm layers replaced by "
+        "nn.Identity) / norm layers, the host time of one norm layer's forward + backward; norm "
         "launches/layer = norm-kernel launches per step / norm layers. out err / dx err: "
         "max |x - ref| / max |ref| of the output and of the input gradient, fp32 with TF32 off "
         f"against torch in float64; cupynorm fails above {ACCURACY_FACTOR:g}x torch's "
@@ -415,6 +419,7 @@ def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
                     "norm_launches_per_layer": step.norm_launches_per_layer(result.norm_layers),
                     "norm_kernel_ms_by_name": step.norm_kernel_ms_by_name,
                     "host_us": step.host_us,
+                    "host_us_per_norm_layer": result.host_us_per_norm_layer(step),
                     "error": step.error,
                 }
             )
@@ -430,6 +435,7 @@ def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
                 "loss": w.loss,
                 "lr": w.lr,
                 "norm_layers": result.norm_layers,
+                "host_us_without_norms": result.host_us_without_norms,
                 "goal_text": w.goal_text,
                 "accuracy": accuracy,
                 "accuracy_error": result.accuracy_error,

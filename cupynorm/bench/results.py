@@ -150,6 +150,9 @@ class ModelResult:
     steps: list[StepResult] = field(default_factory=list)
     error: str | None = None  # the model could not be set up at all (e.g. torchvision missing)
     seconds: float = 0.0
+    # eager host time to issue a step of the same model with its norm layers replaced by
+    # nn.Identity: the baseline of host_us_per_norm_layer
+    host_us_without_norms: float | None = None
 
     def step(self, mode: str, impl: str) -> StepResult | None:
         """The result of `impl` in `mode`, if it was run."""
@@ -157,6 +160,13 @@ class ModelResult:
             if result.mode == mode and result.impl == impl:
                 return result
         return None
+
+    def host_us_per_norm_layer(self, step: StepResult) -> float | None:
+        """Host time of one norm layer's forward + backward in `step`'s training step: the
+        step's issue time less that of the model without norm layers, per norm layer."""
+        if step.host_us is None or self.host_us_without_norms is None or self.norm_layers <= 0:
+            return None
+        return (step.host_us - self.host_us_without_norms) / self.norm_layers
 
     def failure(self) -> str | None:
         """Why this model's row fails the run, or None: no setup, an accuracy check failed or

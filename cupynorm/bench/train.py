@@ -26,7 +26,9 @@ For each model workload, in one process, from the same initial weights and on th
    steps (compiling / capturing happens there and is reported apart). In eager mode also:
    GPU kernel time and norm-kernel time per step and kernel launches per norm layer, from
    `torch.profiler` over a few steps; and host time to issue one step (wall time of the Python
-   call, the device idle before it, no synchronization inside it).
+   call, the device idle before it, no synchronization inside it), once more for the model with
+   its norm layers replaced by `nn.Identity`: the difference per norm layer is the host time of
+   one norm layer's forward and backward, torch's and cupynorm's.
 
 torch, torchvision and cupynorm are imported when a workload runs; a model that cannot be built
 (torchvision missing, ...) becomes an error row.
@@ -68,7 +70,7 @@ STEPS_FULL = 10
 STEPS_QUICK = 5
 WARMUP_STEPS = 3  # before timing; the compile mode compiles in the first of them
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before the capture
-HOST_STEPS = 5  # eager steps whose issue time is measured (median)
+HOST_STEPS = 9  # eager steps whose issue time is measured (median)
 PROFILE_STEPS = 2  # eager steps under torch.profiler
 SGD_MOMENTUM = 0.9
 MSE_SCALE = 5e-4  # see _loss
@@ -301,6 +303,20 @@ def _host_us(step: Callable[[], object], steps: int) -> float:
     return statistics.median(samples)
 
 
+def _host_us_without_norms(
+    base: torch.nn.Module, workload: ModelWorkload, batch: tuple[torch.Tensor, torch.Tensor]
+) -> float:
+    """Eager issue time of a step of the model with its norm layers replaced by nn.Identity."""
+    import torch
+
+    model = models.strip_norms(copy.deepcopy(base))
+    model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
+    step = TrainStep(model, workload, *batch)
+    for _ in range(WARMUP_STEPS):
+        step()
+    return _host_us(step, HOST_STEPS)
+
+
 def _profile(step: Callable[[], object], steps: int) -> KernelSummary:
     timing.cuda.synchronize()
     with timing.cuda.profile() as profiler:
@@ -428,6 +444,15 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory
         result.error = "setup failed: " + _error_text(exc)
         return result
+    try:
+        result.host_us_without_norms = _host_us_without_norms(base, workload, batch)
+        _progress(f"    eager host time without norm layers: {result.host_us_without_norms:.0f} us")
+    except Exception as exc:  # noqa: BLE001 - the per-layer column stays empty
+        _progress(f"    host time without norm layers failed: {_error_text(exc)}")
+    try:
+        _release_device_memory()
+    except Exception as exc:  # noqa: BLE001 - the steps report the failure
+        _progress(f"    releasing device memory failed: {_error_text(exc)}")
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
     modes = [MODE_EAGER, MODE_GRAPHED] + ([MODE_COMPILE] if context.compile_enabled else [])
     for mode in modes:
