@@ -1102,6 +1102,57 @@ class _RewrittenBatchNorm2d(nn.BatchNorm2d):
         )
 
 
+class _NormDropAct(nn.BatchNorm2d):
+    """The shape of timm's BatchNormAct2d: torch's norm, then its drop and act submodules."""
+
+    def __init__(self, num_features, drop=None, act=None):
+        super().__init__(num_features)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        x = F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return self.act(self.drop(x))
+
+
+def test_replace_norms_converts_norm_act_subclasses():
+    """A norm followed by its own drop and act submodules (timm's norm-act layers) keeps them
+    after cupynorm's norm; a random drop (training Dropout) makes it no plain tail: left alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), _NormDropAct(6), _NormDropAct(6, act=nn.SiLU()))
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnt.replace_norms(model)
+    for layer in model[1:]:
+        assert isinstance(layer, cnt.BatchNorm2d) and isinstance(layer, _NormDropAct)
+    assert type(model[1]) is type(model[2])  # one class per subclass and tail
+    assert type(model[1]).forward not in (cnt.BatchNorm2d.forward, _NormDropAct.forward)
+    x = torch.randn(2, 3, 7, 7)
+    outs, grads = _run_steps(model, [x] * 2, train=True)
+    outs_r, grads_r = _run_steps(reference, [x] * 2, train=True)
+    for u, v in zip(outs + grads, outs_r + grads_r, strict=True):  # CPU: torch's own math
+        torch.testing.assert_close(u, v, atol=0, rtol=0)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, atol=0, rtol=0, msg=key)
+
+    dropping = nn.Sequential(_NormDropAct(4, drop=nn.Dropout(0.5)))
+    with pytest.warns(UserWarning, match=r"_NormDropAct \(x1\)"):
+        cnt.replace_norms(dropping)
+    assert type(dropping[0]) is _NormDropAct
+
+
 def test_replace_norms_converts_subclasses_that_compute_the_same():
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -1152,13 +1203,34 @@ def test_replace_norms_include_exclude_cover_subclasses():
 
 def test_replace_norms_timm_norms():
     """timm's own norm layers, where timm is installed (the GPU machine): its GroupNorm is a plain
-    GroupNorm and is converted; BatchNormAct2d (norm + activation) is left alone, with a warning."""
+    GroupNorm; BatchNormAct2d, GroupNormAct and GroupNorm1Act are a norm then their drop and act
+    submodules. All are converted and compute what timm's modules compute; a BatchNormAct2d with
+    a training-mode drop (random) is left alone, with a warning."""
     layers = pytest.importorskip("timm.layers")
-    model = nn.Sequential(layers.GroupNorm(32, num_groups=8), layers.BatchNormAct2d(32))
-    with pytest.warns(UserWarning, match="BatchNormAct2d"):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        layers.GroupNorm(32, num_groups=8),
+        layers.BatchNormAct2d(32),
+        layers.GroupNormAct(32, num_groups=8, act_layer=nn.SiLU),
+        layers.GroupNorm1Act(32),
+    )
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         cnt.replace_norms(model)
     assert isinstance(model[0], cnt.GroupNorm) and isinstance(model[0], layers.GroupNorm)
-    assert type(model[1]) is layers.BatchNormAct2d
+    assert isinstance(model[1], cnt.BatchNorm2d) and isinstance(model[1], layers.BatchNormAct2d)
+    assert isinstance(model[2], cnt.GroupNorm) and isinstance(model[2], layers.GroupNormAct)
+    assert isinstance(model[3], cnt.GroupNorm) and isinstance(model[3], layers.GroupNorm1Act)
+    x = torch.randn(2, 32, 5, 6)
+    outs, grads = _run_steps(model, [x] * 2, train=True)
+    outs_r, grads_r = _run_steps(reference, [x] * 2, train=True)
+    for u, v in zip(outs + grads, outs_r + grads_r, strict=True):  # CPU: torch's own math
+        torch.testing.assert_close(u, v, atol=0, rtol=0)
+    dropping = nn.Sequential(layers.BatchNormAct2d(32, drop_layer=nn.Dropout))
+    with pytest.warns(UserWarning, match="BatchNormAct2d"):
+        cnt.replace_norms(dropping)
+    assert type(dropping[0]) is layers.BatchNormAct2d
 
 
 def test_raise_like_torch_without_a_meta_kernel_says_ours():

@@ -694,3 +694,24 @@ def test_replace_norms_converted_subclass_runs_cupynorm_on_cuda():
     assert isinstance(model[1], cnt.GroupNorm) and isinstance(model[1], _RewrittenGroupNorm)
     xs = _inputs((4, 3, 9, 11), torch.float32)
     _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
+
+
+def test_replace_norms_timm_norm_act_layers_on_cuda():
+    """timm's norm-act layers (the GPU machine has timm): converted, they run cupynorm's norm
+    then their own drop and act, and train as timm's modules do."""
+    layers = pytest.importorskip("timm.layers")
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        layers.BatchNormAct2d(8),
+        nn.Conv2d(8, 8, 3),
+        layers.GroupNormAct(8, num_groups=4, act_layer=nn.SiLU),
+    ).to(DEVICE)
+    model = cnt.replace_norms(copy.deepcopy(ref))
+    assert isinstance(model[1], cnt.BatchNorm2d) and isinstance(model[1], layers.BatchNormAct2d)
+    assert isinstance(model[3], cnt.GroupNorm) and isinstance(model[3], layers.GroupNormAct)
+    xs = _inputs((4, 3, 11, 13), torch.float32)
+    y = model(xs[0].clone().requires_grad_())  # SiLU of cupynorm's GroupNorm
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_GroupNormFunctionBackward"
+    _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
+    _compare_state(model, ref, torch.float32, model=True)

@@ -13,8 +13,13 @@ either they inherit it, or a probe says so -- on copies of the module, on random
 shape, the subclass's ``forward`` and the torch.nn class's give the same output (and the same
 running statistics). Such a module gets a class of its own, made once per subclass, whose bases
 are cupynorm's module and the subclass (so ``isinstance`` with the subclass and its methods and
-attributes still hold). A subclass whose ``forward`` computes something else (an activation
-after the norm, a drop path) is left alone and named in a warning: never silently changed.
+attributes still hold).
+
+A norm-plus-activation subclass -- timm's ``BatchNormAct2d``, ``GroupNormAct``, ``GroupNorm1Act``:
+the norm, then its ``drop`` and ``act`` submodules -- is converted the same way when the probe
+says its ``forward`` is the torch.nn class's followed by those submodules; its class then runs
+cupynorm's norm and the module's own ``drop`` and ``act`` after it. A subclass whose ``forward``
+computes anything else is left alone and named in a warning: never silently changed.
 """
 
 from __future__ import annotations
@@ -51,7 +56,10 @@ _PROBE_SPATIAL = {
     torch.nn.BatchNorm2d: (3, 4),
     torch.nn.BatchNorm3d: (2, 3, 2),
 }
-_ADOPTED: dict[type, type] = {}
+#: Submodules a norm-plus-activation subclass applies to the norm's output, in order: none (a
+#: plain norm), or timm's norm-act layers (``x = norm(x); x = self.drop(x); x = self.act(x)``).
+_TAILS: tuple[tuple[str, ...], ...] = ((), ("drop", "act"))
+_ADOPTED: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
 def _torch_base(cls: type) -> type | None:
@@ -61,10 +69,21 @@ def _torch_base(cls: type) -> type | None:
     return next((base for base in cls.__mro__ if base in _REPLACEMENTS), None)
 
 
-def _computes_like(module: torch.nn.Module, base: type) -> bool:
-    """Whether ``module.forward`` gives what ``base.forward`` gives, on copies of the module and
-    random input (running statistics compared too)."""
-    if type(module).forward is base.forward:
+def _tail(module: torch.nn.Module, base: type) -> tuple[str, ...] | None:
+    """The submodules (an entry of _TAILS) that ``module.forward`` applies after computing what
+    ``base.forward`` computes, or None when it computes something else."""
+    for tail in _TAILS:
+        if all(isinstance(getattr(module, name, None), torch.nn.Module) for name in tail):
+            if _computes_like(module, base, tail):
+                return tail
+    return None
+
+
+def _computes_like(module: torch.nn.Module, base: type, tail: tuple[str, ...] = ()) -> bool:
+    """Whether ``module.forward`` gives what ``base.forward`` followed by the ``tail``
+    submodules gives, on copies of the module and random input (running statistics compared
+    too)."""
+    if not tail and type(module).forward is base.forward:
         return True
     channels = module.num_channels if base is torch.nn.GroupNorm else module.num_features
     param = next(module.parameters(), None)
@@ -81,6 +100,8 @@ def _computes_like(module: torch.nn.Module, base: type) -> bool:
     try:
         with torch.no_grad():
             expected = base.forward(theirs, probe)
+            for name in tail:
+                expected = getattr(theirs, name)(expected)
             got = type(module).forward(ours, probe)
     except Exception:  # noqa: BLE001 - a forward that fails on the probe is not a plain norm
         return False
@@ -91,20 +112,28 @@ def _computes_like(module: torch.nn.Module, base: type) -> bool:
     return all(torch.equal(a, b) for a, b in zip(ours.buffers(), theirs.buffers(), strict=True))
 
 
-def _adopted(cls: type, base: type) -> type:
-    """A class of cupynorm's forward over the subclass ``cls`` (made once per subclass)."""
-    if cls not in _ADOPTED:
+def _adopted(cls: type, base: type, tail: tuple[str, ...]) -> type:
+    """A class of cupynorm's forward (then the ``tail`` submodules) over the subclass ``cls``
+    (made once per subclass and tail)."""
+    key = (cls, tail)
+    if key not in _ADOPTED:
         ours = _REPLACEMENTS[base]
-        _ADOPTED[cls] = type(
-            cls.__name__,
-            (ours, cls),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "__doc__": cls.__doc__,
-            },
-        )
-    return _ADOPTED[cls]
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        if tail:
+
+            def forward(self, input: torch.Tensor) -> torch.Tensor:
+                out = ours.forward(self, input)
+                for name in tail:
+                    out = getattr(self, name)(out)
+                return out
+
+            namespace["forward"] = forward
+        _ADOPTED[key] = type(cls.__name__, (ours, cls), namespace)
+    return _ADOPTED[key]
 
 
 def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
@@ -131,8 +160,9 @@ def replace_norms(
 
     Modules of the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm`` and
     ``BatchNorm1d/2d/3d`` become :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them
-    are converted when their ``forward`` computes the same (see the module docstring), and left
-    alone with a warning otherwise; ``SyncBatchNorm`` (not a subclass of these) is left alone.
+    are converted when their ``forward`` computes the same, or the same followed by their ``drop``
+    and ``act`` submodules (timm's norm-act layers; see the module docstring), and left alone
+    with a warning otherwise; ``SyncBatchNorm`` (not a subclass of these) is left alone.
     The converted modules keep their parameters and buffers (the same tensor objects), device,
     dtype, training mode and hooks. On the CPU they compute exactly as before; on CUDA they run
     cupynorm's kernels. A converted subclass has a class made at conversion time: save the
@@ -167,8 +197,8 @@ def replace_norms(
             continue
         if cls is base:
             module.__class__ = _REPLACEMENTS[cls]
-        elif _computes_like(module, base):
-            module.__class__ = _adopted(cls, base)
+        elif (tail := _tail(module, base)) is not None:
+            module.__class__ = _adopted(cls, base, tail)
         else:
             name = f"{cls.__module__}.{cls.__qualname__}"
             left_alone[name] = left_alone.get(name, 0) + 1
@@ -176,7 +206,8 @@ def replace_norms(
         names = ", ".join(f"{name} (x{count})" for name, count in left_alone.items())
         warnings.warn(
             "replace_norms: left alone the modules whose forward does not compute what their "
-            f"torch.nn norm class computes: {names}",
+            "torch.nn norm class computes (alone, or followed by their drop and act "
+            f"submodules): {names}",
             UserWarning,
             stacklevel=2,
         )
