@@ -1233,6 +1233,28 @@ def test_replace_norms_timm_norms():
     assert type(dropping[0]) is layers.BatchNormAct2d
 
 
+@pytest.mark.parametrize(
+    "name, norms",
+    [("efficientnet_b0", 49), ("mobilenetv3_small_100", 34), ("resnet50_gn", 53)],
+)
+def test_replace_norms_timm_models(name, norms):
+    """Whole timm models (norm-act layers, timm's GroupNorm): every norm converted, no warning,
+    and on the CPU the converted model computes exactly what timm's does."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(name)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnt.replace_norms(model)
+    kinds = (cnt.BatchNorm2d, cnt.GroupNorm)
+    assert sum(isinstance(m, kinds) for m in model.modules()) == norms
+    x = torch.randn(2, 3, 64, 64)
+    for m in (model, reference):
+        m.train()
+    torch.testing.assert_close(model(x), reference(x), atol=0, rtol=0)
+
+
 def test_raise_like_torch_without_a_meta_kernel_says_ours():
     """When torch has no meta kernel for the call, cupynorm's own message is raised."""
     from cupynorm.torch import _checks
