@@ -1,4 +1,6 @@
-"""Shared test helpers: GPU detection and poisoning of the allocator's memory."""
+"""Shared test helpers: GPU detection, poisoning of the allocator's memory, the replay check of
+every recorded call on a GPU, and the fixtures that send CPU tensors down cupynorm.torch's CUDA
+route onto the reference kernels (``kernels``, ``kernel_path``)."""
 
 from __future__ import annotations
 
@@ -65,3 +67,22 @@ def _replay_every_recorded_call():
     _program.check_replay = _assert_identical
     yield
     _program.check_replay = None
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Send CPU tensors down the CUDA route (eager fast path), onto the reference kernels."""
+    from cupynorm.torch import functional as cnf
+
+    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
+
+
+@pytest.fixture(params=["eager", "custom_op"])
+def kernel_path(request, monkeypatch):
+    """The CUDA route on CPU tensors, through the eager Functions or the custom ops."""
+    from cupynorm.torch import functional as cnf
+
+    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
+    if request.param == "custom_op":
+        monkeypatch.setattr(cnf, "_traced", lambda x: True)
+    return request.param
