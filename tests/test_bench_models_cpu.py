@@ -21,6 +21,7 @@ from cupynorm.bench import train
 MODEL_NAMES = [
     "resnet50_b64_bf16_cl",
     "resnet50_b256_bf16_cl",
+    "efficientnet_b0_b64_bf16_cl",
     "gn_blocks_fp16_cl",
     "gn_blocks_fp16",
 ]
@@ -67,14 +68,14 @@ def test_unknown_name_lists_models_and_groups() -> None:
 def test_list_shows_the_models_group(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list"]) == 0
     out = capsys.readouterr().out
-    assert "--only models" in out and "groups: kernels (12), models (4)" in out
+    assert "--only models" in out and "groups: kernels (12), models (5)" in out
     for name in MODEL_NAMES:
         assert name in out
 
 
 def test_strip_norms_leaves_no_norm_layer() -> None:
     torch = pytest.importorskip("torch")
-    model = bench.models.gn_resnet_blocks(bench.MODEL_WORKLOADS[2])
+    model = bench.models.gn_resnet_blocks(bench.MODEL_WORKLOADS_BY_NAME["gn_blocks_fp16_cl"])
     x = torch.randn(1, 320, 4, 4)
     stripped = bench.models.strip_norms(model)
     assert stripped is model and bench.models.count_norm_layers(model) == 0
@@ -235,7 +236,9 @@ def test_models_table_and_json_on_fake_numbers() -> None:
     eager_cupynorm.host_us, eager_cupynorm.norm_kernels = 24000.0, 318.0
     result.host_us_without_norms = 13400.0  # (24000 - 13400) / 53 = 200 us per norm layer
     missing = bench.ModelResult(
-        bench.MODEL_WORKLOADS[2], quick=False, error="setup failed: ModuleNotFoundError: x"
+        bench.MODEL_WORKLOADS_BY_NAME["gn_blocks_fp16_cl"],
+        quick=False,
+        error="setup failed: ModuleNotFoundError: x",
     )
     rows = _table_cells(bench.format_models_table([result, missing]))
     assert rows[0] == list(bench.MODEL_TABLE_COLUMNS)
@@ -299,8 +302,46 @@ def _tiny_bn_net(workload: bench.ModelWorkload):
     )
 
 
+def _tiny_norm_act_net(workload: bench.ModelWorkload):
+    """Stands in for efficientnet_b0: convs with norm-act layers shaped like timm's
+    BatchNormAct2d (BatchNorm2d, then the module's own drop and act submodules)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    class NormAct(nn.BatchNorm2d):
+        def __init__(self, channels: int) -> None:
+            super().__init__(channels)
+            self.drop, self.act = nn.Identity(), nn.SiLU()
+
+        def forward(self, x):
+            if self.training:
+                self.num_batches_tracked.add_(1)
+            x = F.batch_norm(
+                x,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                self.training,
+                self.momentum,
+                self.eps,
+            )
+            return self.act(self.drop(x))
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        NormAct(8),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        NormAct(8),
+        NormAct(8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, workload.num_classes),
+    )
+
+
 def _tiny_model_workload(workload: bench.ModelWorkload) -> bench.ModelWorkload:
-    if workload.model == "resnet50":
+    if workload.model in ("resnet50", "efficientnet_b0"):
         return dataclasses.replace(
             workload, input_shape=(2, 3, 16, 16), num_classes=10, accuracy_batch=None
         )
@@ -329,6 +370,7 @@ def models_dry_run(monkeypatch: pytest.MonkeyPatch):
 
     def substitute_resnet50() -> None:
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "resnet50", _tiny_bn_net)
+        monkeypatch.setitem(bench.models.MODEL_FACTORIES, "efficientnet_b0", _tiny_norm_act_net)
 
     return substitute_resnet50
 
@@ -353,12 +395,12 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[4/4] gn_blocks_fp16 done" in captured.err
+    assert "[5/5] gn_blocks_fp16 done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out
     rows = _models_table(captured.out)
-    assert len(rows) == 2 + 4 * 3 * 2
+    assert len(rows) == 2 + 5 * 3 * 2
     body = rows[2:]
     assert all("ERROR" not in cell for row in body for cell in row), captured.out
     keys = [tuple(row[:3]) for row in body]
@@ -381,7 +423,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     for model in report["models"]:
         assert model["error"] is None and model["failure"] is None
         assert model["accuracy"]["ok"] and model["accuracy"]["batch"] == 2
-        assert model["norm_layers"] == (2 if model["model"] == "resnet50" else 8)
+        assert model["norm_layers"] == {"resnet50": 2, "efficientnet_b0": 3}.get(model["model"], 8)
         assert len(model["steps"]) == 6
         eager = [s for s in model["steps"] if s["mode"] == "eager"]
         assert all(s["host_us"] > 0 and s["norm_kernel_ms_by_name"] for s in eager)

@@ -21,7 +21,8 @@ Method (the design notes' "Benchmark method"):
 
 The models group (`--only models`, run only when named; a group name like any workload name):
 whole training steps (zero_grad, forward, loss, backward, SGD step) of torchvision's resnet50
-(BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256) and of 4 diffusers-style ResNet
+(BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256), of timm's efficientnet_b0 (49
+BatchNormAct2d; bf16 autocast, channels_last, batch 64) and of 4 diffusers-style ResNet
 blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and NCHW), each with torch's norm
 layers and with `cupynorm.torch.replace_norms` of a copy, from the same weights on the same
 batch, in three modes: eager, graphed (the whole step captured in one CUDA graph) and compile

@@ -131,9 +131,17 @@ def resnet50(workload: ModelWorkload) -> torch.nn.Module:
     return torchvision_models.resnet50(num_classes=workload.num_classes)
 
 
+def efficientnet_b0(workload: ModelWorkload) -> torch.nn.Module:
+    """timm's `efficientnet_b0` (random weights; its 49 norms are BatchNormAct2d: BatchNorm then
+    SiLU); an ImportError when timm is missing."""
+    timm = importlib.import_module("timm")
+    return timm.create_model("efficientnet_b0", num_classes=workload.num_classes)
+
+
 # The models group's models by name; each builds the model on the CPU in float32.
 MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "resnet50": resnet50,
+    "efficientnet_b0": efficientnet_b0,
     "gn_resnet_blocks": gn_resnet_blocks,
 }
 

@@ -258,6 +258,10 @@ class ModelWorkload:
 
 
 _RESNET50_TITLE = "torchvision resnet50() training step (53 BatchNorm2d), bf16 autocast, SGD"
+_EFFICIENTNET_TITLE = (
+    "timm efficientnet_b0 training step (49 BatchNormAct2d: BatchNorm then SiLU), bf16 autocast, "
+    "SGD"
+)
 _GN_BLOCKS_TITLE = (
     "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
     "8 GroupNorm) training step, fp16, SGD"
@@ -282,6 +286,14 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         channels_last=True,
         accuracy_batch=64,
         goal_text=">= 1.15x torch (eager and graphed)",
+    ),
+    ModelWorkload(
+        name="efficientnet_b0_b64_bf16_cl",
+        title=_EFFICIENTNET_TITLE,
+        model="efficientnet_b0",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
     ),
     ModelWorkload(
         name="gn_blocks_fp16_cl",
