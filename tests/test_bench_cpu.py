@@ -1,5 +1,8 @@
 """`python -m cupynorm bench` without a GPU: arguments, workload registry, arithmetic, formatting,
 the no-GPU / no-torch exits, and a dry run of the whole pipeline on the CPU with fake CUDA timing.
+
+One file past 600 lines on purpose: its dry runs and the models tests (test_bench_models_cpu.py)
+share the CPU stand-in for the device (``CpuStandIn``) and the table parser defined here.
 """
 
 from __future__ import annotations

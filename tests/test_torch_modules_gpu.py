@@ -4,6 +4,10 @@ Every test needs a GPU (and CuPy); all are marked ``gpu`` and skipped when CUDA 
 Data is fresh random (never zeros), sizes odd (C = 3, H*W = 7) plus shapes larger than one block;
 tolerances come from the dtype. The reference is torch.nn on the same device and dtype, or a
 float64 computation where the test says so.
+
+One file past 600 lines on purpose: it is the GPU half of the CPU files of the torch adapter
+(test_torch_modules_cpu.py, test_convert_cpu.py, test_torch_errors_cpu.py) and shares their
+model steps and comparison helpers; it runs only on the GPU machine.
 """
 
 from __future__ import annotations
