@@ -178,14 +178,14 @@ def batch_norm_fwd(
         return y, mean, rstd
     if S == 1:
         layout = "channels_last"  # (N, C): channels innermost, one row per sample
-    if layout != "contiguous" and in_kernel:
+    # fmt: off
+    if layout != "contiguous" and in_kernel and _single.batch_norm_fwd_cols(
+            call, x, y, weight, bias, mean, rstd, running_mean, running_var, momentum, eps,
+            count, C):
         if running:
-            call.mutates_inputs()
-        # fmt: off
-        if _single.batch_norm_fwd_cols(call, x, y, weight, bias, mean, rstd, running_mean,
-                                       running_var, momentum, eps, count, C):
-            return y, mean, rstd
-        # fmt: on
+            call.mutates_inputs()  # the kernel updated the running statistics
+        return y, mean, rstd
+    # fmt: on
     var = call.stats((C,), x)
     if layout == "contiguous":
         partials = _stats_rows(call, x, C, N, S, C * S, S)

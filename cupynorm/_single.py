@@ -22,8 +22,9 @@ import numpy as np
 from . import _compile, _plan, _program
 from ._launch import _ITEMSIZE, _SINGLE, _Call, _scalar
 
-#: Largest input (bytes of x; the backward also reads dy) run in one launch: above it the strided
-#: passes' larger apply grids win (benchmarks/NOTES.md, 2026-11-23).
+#: Largest input (bytes of x; the backward also reads dy) run in one launch. A first guess: the
+#: measurements (benchmarks/NOTES.md, 2026-11-23) say the planned grid, not the size, decides
+#: (few rows and many channels leave most SMs idle), which is how the choice should be made.
 MAX_BYTES = 32 << 20
 #: Off by default: in one GPU test run (H200, 2026-11-23) a small model converted with
 #: replace_norms (tests/test_torch_modules_gpu.py::test_replace_norms_cuda_same_outputs_and_grads,

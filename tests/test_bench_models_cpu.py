@@ -305,7 +305,6 @@ def _tiny_bn_net(workload: bench.ModelWorkload):
 def _tiny_norm_act_net(workload: bench.ModelWorkload):
     """Stands in for efficientnet_b0: convs with norm-act layers shaped like timm's
     BatchNormAct2d (BatchNorm2d, then the module's own drop and act submodules)."""
-    import torch.nn.functional as F
     from torch import nn
 
     class NormAct(nn.BatchNorm2d):
@@ -314,19 +313,7 @@ def _tiny_norm_act_net(workload: bench.ModelWorkload):
             self.drop, self.act = nn.Identity(), nn.SiLU()
 
         def forward(self, x):
-            if self.training:
-                self.num_batches_tracked.add_(1)
-            x = F.batch_norm(
-                x,
-                self.running_mean,
-                self.running_var,
-                self.weight,
-                self.bias,
-                self.training,
-                self.momentum,
-                self.eps,
-            )
-            return self.act(self.drop(x))
+            return self.act(self.drop(super().forward(x)))
 
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1, bias=False),

@@ -168,19 +168,7 @@ class _NormDropAct(nn.BatchNorm2d):
         self.act = act if act is not None else nn.ReLU(inplace=True)
 
     def forward(self, x):
-        x = F.batch_norm(
-            x,
-            self.running_mean,
-            self.running_var,
-            self.weight,
-            self.bias,
-            self.training,
-            self.momentum,
-            self.eps,
-        )
-        if self.training:
-            self.num_batches_tracked.add_(1)
-        return self.act(self.drop(x))
+        return self.act(self.drop(super().forward(x)))
 
 
 def test_replace_norms_converts_norm_act_subclasses():
