@@ -68,7 +68,7 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
     }
     grid_barrier(arrived, 2 * gridDim.x);
     apply_cols<V, false>(x, nullptr, y, weight, bias, mean, rstd, nullptr, nullptr, R, C, C, 0, 0, 1,
-                         ctas);
+                         ctas, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_batch_norm_fwd_cols(
@@ -97,7 +97,8 @@ __device__ __forceinline__ void batch_norm_bwd_cols(
     acc_t* __restrict__ u, acc_t* __restrict__ v, void* __restrict__ dweight,
     void* __restrict__ dbias, int64 R, int64 C, double count, int training) {
     const int64 ctas = gridDim.x;
-    bwd_sums_cols<V>(x, dy, mean, partials, R, C, C, 0, 0, 1, ctas);
+    bwd_sums_cols<V>(x, dy, mean, partials, R, C, C, 0, 0, 1, ctas, Epilogue{}, nullptr,
+                            nullptr, nullptr);
     grid_barrier(arrived, gridDim.x);
     const GridWarps w = grid_warps();
     if (w.active) {  // warps 0 .. C-1: dweight, dbias; C .. 2C-1: u, v
@@ -107,7 +108,7 @@ __device__ __forceinline__ void batch_norm_bwd_cols(
     }
     if (dx == nullptr) return;  // the same for every CTA
     grid_barrier(arrived, 2 * gridDim.x);
-    apply_cols<V, true>(x, dy, dx, weight, nullptr, mean, rstd, u, v, R, C, C, 0, 0, 1, ctas);
+    apply_cols<V, true>(x, dy, dx, weight, nullptr, mean, rstd, u, v, R, C, C, 0, 0, 1, ctas, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_batch_norm_bwd_cols(

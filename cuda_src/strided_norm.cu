@@ -358,14 +358,78 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
     return f;
 }
 
-template <int V, bool BACKWARD>
-__device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& dy, const Coeffs* f) {
+// ------------------------------------------------------------------------------------------------
+// Fused epilogue of the forward (BatchNorm + residual add + activation, ResNet's bottleneck tail):
+//   y = act(t),  t = (x - mean) * a + b + z         z: the residual, in x's layout (or null)
+// and the first step of its backward, dL/dt from dy:
+//   ReLU: dt = dy * [y > 0]                       from the saved output y (as torch's ReLU)
+//   SiLU: dt = dy * s * (1 + t * (1 - s))          s = sigmoid(t), t recomputed from x and z
+// The backward sums pass writes dt (rounded to the input type) and sums that rounded value, so the
+// reductions and the dx pass, which reads dt back, see one gradient -- what torch's unfused ops
+// (the activation's backward, then the norm's) compute. dt is also the residual's gradient.
+// ACT is a template parameter: ACT_PLAIN (no epilogue: the plain kernels of this file, whose
+// registers the epilogue must not cost) or one of the activations, whose kernels are the fused
+// family's (fused_norm.cu, compiled only when a fused call needs it).
+#define ACT_PLAIN -1
+#define ACT_IDENTITY 0
+#define ACT_RELU 1
+#define ACT_SILU 2
+
+struct Epilogue {
+    const scalar_t* z;  // residual (forward; backward: for SiLU's t) or null
+    const scalar_t* y;  // backward: the forward's output (ReLU)
+    scalar_t* dt;       // backward: where the sums pass writes dL/dt
+};
+
+template <int ACT>
+__device__ __forceinline__ acc_t activate(acc_t t) {
+    if (ACT == ACT_RELU) return t < acc_t(0) ? acc_t(0) : t;  // NaN stays NaN, as torch.relu
+    if (ACT == ACT_SILU) return t / (acc_t(1) + exp(-t));
+    return t;
+}
+
+// dy -> dt in place for one pack; x, aux (ReLU: y; SiLU: z, or unused when there is none) at the
+// same elements; f the forward coefficients (SiLU only).
+template <int V, int ACT>
+__device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, const Pack<V>& aux,
+                                                const Coeffs* f, const Epilogue& ep) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        acc_t d = to_acc(g.v[e]);
+        if (ACT == ACT_RELU) {
+            d = to_acc(aux.v[e]) > acc_t(0) ? d : acc_t(0);
+        } else if (ACT == ACT_SILU) {
+            acc_t t = (to_acc(x.v[e]) - f[e].mean) * f[e].a + f[e].b;
+            if (ep.z != nullptr) t += to_acc(aux.v[e]);
+            const acc_t s = acc_t(1) / (acc_t(1) + exp(-t));
+            d = d * s * (acc_t(1) + t * (acc_t(1) - s));
+        }
+        g.v[e] = from_acc<scalar_t>(d);
+    }
+}
+
+// The pack an epilogue's backward reads beside x and dy: the output for ReLU, the residual for
+// SiLU (none when there is no residual).
+template <int ACT>
+__device__ __forceinline__ const scalar_t* activation_aux(const Epilogue& ep) {
+    return ACT == ACT_RELU ? ep.y : ep.z;
+}
+
+// forward: other = z (read only when z is given); backward: other = dy.
+template <int V, bool BACKWARD, int ACT>
+__device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& other,
+                                              const Coeffs* f, bool has_z) {
     Pack<V> out;
 #pragma unroll
     for (int e = 0; e < V; ++e) {
         const Coeffs& c = f[e];
         acc_t r = (to_acc(x.v[e]) - c.mean) * c.a + c.b;
-        if (BACKWARD) r += to_acc(dy.v[e]) * c.g;
+        if (BACKWARD) {
+            r += to_acc(other.v[e]) * c.g;
+        } else if (ACT != ACT_PLAIN) {
+            if (has_z) r += to_acc(other.v[e]);
+            r = activate<ACT>(r);
+        }
         out.v[e] = from_acc<scalar_t>(r);
     }
     return out;
@@ -373,7 +437,7 @@ __device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& d
 
 // rows layout. Grid (1-D): N * C * tiles_per_plane CTAs, each covering tile_len (a multiple of V)
 // elements of one plane.
-template <int V, bool BACKWARD>
+template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ dy,
                                            scalar_t* __restrict__ out,
@@ -384,9 +448,13 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
                                            const acc_t* __restrict__ u, const acc_t* __restrict__ v,
                                            int64 C, int64 S, int64 sample_stride, int64 chan_stride,
                                            int groups, int64 chans_per_group,
-                                           int64 tiles_per_plane, int64 tile_len) {
+                                           int64 tiles_per_plane, int64 tile_len,
+                                           const scalar_t* __restrict__ z) {
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
+    // the second operand: dy (backward) or the residual (forward, when there is one)
+    const scalar_t* __restrict__ other = BACKWARD ? dy : z;
+    constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
     Coeffs f[V];
     f[0] = coeffs_of<BACKWARD>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
 #pragma unroll
@@ -400,30 +468,32 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             p[i] = load_pack<V>(x + offset, q + i * step);
-            if (BACKWARD) g[i] = load_pack<V>(dy + offset, q + i * step);
+            if (BACKWARD || has_z) g[i] = load_pack<V>(other + offset, q + i * step);
         }
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i)
-            store_pack<V>(out + offset, q + i * step, apply_pack<V, BACKWARD>(p[i], g[i], f));
+            store_pack<V>(out + offset, q + i * step,
+                          apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z));
     }
     for (; q < q_end; q += step) {
         const Pack<V> p = load_pack<V>(x + offset, q);
         Pack<V> g;
-        if (BACKWARD) g = load_pack<V>(dy + offset, q);
-        store_pack<V>(out + offset, q, apply_pack<V, BACKWARD>(p, g, f));
+        if (BACKWARD || has_z) g = load_pack<V>(other + offset, q);
+        store_pack<V>(out + offset, q, apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
     }
 }
 
 #define APPLY_ROWS_ARGS                                                                         \
     x, dy, out, weight, bias, mean, rstd, u, v, C, S, sample_stride, chan_stride, groups,       \
-        chans_per_group, tiles_per_plane, tile_len
+        chans_per_group, tiles_per_plane, tile_len, z
+// z: the fused forward's residual (fused_norm.cu; null and unused elsewhere)
 #define APPLY_ROWS_PARAMS                                                                       \
     const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 C, int64 S,             \
         int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
-        int64 tiles_per_plane, int64 tile_len, int vectorized
+        int64 tiles_per_plane, int64 tile_len, int vectorized, const scalar_t *__restrict__ z
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
@@ -445,7 +515,7 @@ extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
 
 // columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs, each taking
 // its sample's blocks of UNROLL * TY rows as the statistics pass does.
-template <int V, bool BACKWARD>
+template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ dy,
                                            scalar_t* __restrict__ out,
@@ -455,9 +525,12 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const acc_t* __restrict__ rstd,
                                            const acc_t* __restrict__ u, const acc_t* __restrict__ v,
                                            int64 R, int64 C, int64 row_stride, int64 sample_stride,
-                                           int groups, int64 chans_per_group, int64 ctas_per_n) {
+                                           int groups, int64 chans_per_group, int64 ctas_per_n,
+                                           const scalar_t* __restrict__ z) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int TY = blockDim.y;
+    const scalar_t* __restrict__ other = BACKWARD ? dy : z;  // as in apply_rows
+    constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
     const int64 block_rows = COLS_APPLY_UNROLL * TY;
     const int64 blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
@@ -476,18 +549,20 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
 #pragma unroll
                 for (int i = 0; i < COLS_APPLY_UNROLL; ++i) {
                     p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
-                    if (BACKWARD) g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
+                    if (BACKWARD || has_z)
+                        g[i] = load_pack<V>(other + base + (r + i * TY) * row_stride, cp);
                 }
 #pragma unroll
                 for (int i = 0; i < COLS_APPLY_UNROLL; ++i)
                     store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
-                                   apply_pack<V, BACKWARD>(p[i], g[i], f));
+                                   apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z));
             }
             for (; r < r1; r += TY) {  // the sample's last block may be partial
                 const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
                 Pack<V> g;
-                if (BACKWARD) g = load_pack<V>(dy + base + r * row_stride, cp);
-                store_pack<V>(out + base + r * row_stride, cp, apply_pack<V, BACKWARD>(p, g, f));
+                if (BACKWARD || has_z) g = load_pack<V>(other + base + r * row_stride, cp);
+                store_pack<V>(out + base + r * row_stride, cp,
+                              apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
             }
         }
     }
@@ -495,14 +570,14 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
 
 #define APPLY_COLS_ARGS                                                                          \
     x, dy, out, weight, bias, mean, rstd, u, v, R, C, row_stride, sample_stride, groups,         \
-        chans_per_group, ctas_per_n
+        chans_per_group, ctas_per_n, z
 #define APPLY_COLS_PARAMS                                                                        \
     const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 R, int64 C,             \
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
-        int64 ctas_per_n, int vectorized
+        int64 ctas_per_n, int vectorized, const scalar_t *__restrict__ z
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
@@ -534,15 +609,19 @@ extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
 // (bwd_finalize) merges them in a fixed order into dweight, dbias, u, v. Pass 3 is bwd_dx_*.
 // In eval mode (constant statistics) u = v = 0.
 
-// rows layout, grid as apply_rows: one partial per (plane, tile).
-template <int V>
+// rows layout, grid as apply_rows: one partial per (plane, tile). With an epilogue (ACT not
+// ACT_PLAIN: fused_norm.cu), dy -> dt first, written to ep.dt, and the sums are of dt.
+template <int V, int ACT = ACT_PLAIN>
 __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
                                               acc_t* __restrict__ partials, int64 C, int64 S,
                                               int64 sample_stride, int64 chan_stride, int groups,
                                               int64 chans_per_group, int64 tiles_per_plane,
-                                              int64 tile_len) {
+                                              int64 tile_len, const Epilogue& ep,
+                                              const param_t* __restrict__ weight,
+                                              const param_t* __restrict__ bias,
+                                              const acc_t* __restrict__ rstd) {
     __shared__ acc_t scratch[33];
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
@@ -550,26 +629,48 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     const int64 offset = n * sample_stride + c * chan_stride;
     const int64 q_end = min(tile_len * (tile + 1), S) / V;
     const int64 step = blockDim.x;
+    Coeffs f[V];
+    const scalar_t* __restrict__ aux = nullptr;
+    if (ACT != ACT_PLAIN) {
+        f[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr, groups,
+                                chans_per_group);
+#pragma unroll
+        for (int e = 1; e < V; ++e) f[e] = f[0];
+        aux = activation_aux<ACT>(ep);
+    }
     acc_t sdy = 0, sdx = 0;
     int64 q = tile * tile_len / V + threadIdx.x;
     for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
-        Pack<V> p[UNROLL], g[UNROLL];
+        Pack<V> p[UNROLL], g[UNROLL], a[UNROLL];
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             p[i] = load_pack<V>(x + offset, q + i * step);
             g[i] = load_pack<V>(dy + offset, q + i * step);
+            if (ACT != ACT_PLAIN && aux != nullptr)
+                a[i] = load_pack<V>(aux + offset, q + i * step);
         }
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i)
+        for (int i = 0; i < UNROLL; ++i) {
+            if (ACT != ACT_PLAIN) {
+                activation_grad<V, ACT>(g[i], p[i], a[i], f, ep);
+                store_pack<V>(ep.dt + offset, q + i * step, g[i]);
+            }
 #pragma unroll
             for (int e = 0; e < V; ++e) {
                 const acc_t d = to_acc(g[i].v[e]);
                 sdy += d;
                 sdx += d * (to_acc(p[i].v[e]) - m);
             }
+        }
     }
     for (; q < q_end; q += step) {
-        const Pack<V> p = load_pack<V>(x + offset, q), g = load_pack<V>(dy + offset, q);
+        const Pack<V> p = load_pack<V>(x + offset, q);
+        Pack<V> g = load_pack<V>(dy + offset, q), a;
+        if (ACT != ACT_PLAIN) {
+            if (aux != nullptr) a = load_pack<V>(aux + offset, q);
+            activation_grad<V, ACT>(g, p, a, f, ep);
+            store_pack<V>(ep.dt + offset, q, g);
+        }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
             const acc_t d = to_acc(g.v[e]);
@@ -592,22 +693,28 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
     int groups, int64 chans_per_group, int64 tiles_per_plane, int64 tile_len, int vectorized) {
     if (vectorized)
         bwd_sums_rows<VEC>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
-                           chans_per_group, tiles_per_plane, tile_len);
+                           chans_per_group, tiles_per_plane, tile_len, Epilogue{}, nullptr,
+                           nullptr, nullptr);
     else
         bwd_sums_rows<1>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
-                         chans_per_group, tiles_per_plane, tile_len);
+                         chans_per_group, tiles_per_plane, tile_len, Epilogue{}, nullptr, nullptr,
+                         nullptr);
 }
 #endif
 
 // columns layout, grid and block as apply_cols: one partial per (n, c, chunk), T = ctas_per_n.
 // Blocks of COLS_APPLY_UNROLL * TY rows as apply_cols. Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
-template <int V>
+template <int V, int ACT = ACT_PLAIN>
 __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
                                               acc_t* __restrict__ partials, int64 R, int64 C,
                                               int64 row_stride, int64 sample_stride, int groups,
-                                              int64 chans_per_group, int64 ctas_per_n) {
+                                              int64 chans_per_group, int64 ctas_per_n,
+                                              const Epilogue& ep,
+                                              const param_t* __restrict__ weight,
+                                              const param_t* __restrict__ bias,
+                                              const acc_t* __restrict__ rstd) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     acc_t* sums = reinterpret_cast<acc_t*>(smem_raw);
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
@@ -615,22 +722,33 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
     const int64 block_rows = COLS_APPLY_UNROLL * TY, blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
+    const scalar_t* __restrict__ aux = ACT != ACT_PLAIN ? activation_aux<ACT>(ep) : nullptr;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
         const int64 cp = tile + tx;
         acc_t sdy[V], sdx[V], m[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) sdy[e] = sdx[e] = m[e] = acc_t(0);
         if (cp < n_packs) {
+            Coeffs f[V];
 #pragma unroll
             for (int e = 0; e < V; ++e) {
                 const int64 c = cp * V + e;
                 m[e] = mean[groups > 0 ? n * groups + c / chans_per_group : c];
+                if (ACT != ACT_PLAIN)
+                    f[e] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr,
+                                            groups, chans_per_group);
             }
             for (int64 b = chunk; b < blocks; b += ctas_per_n) {
                 const int64 r1 = min(b * block_rows + block_rows, R);
                 for (int64 r = b * block_rows + ty; r < r1; r += TY) {
                     const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
-                    const Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
+                    Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
+                    if (ACT != ACT_PLAIN) {
+                        Pack<V> a;
+                        if (aux != nullptr) a = load_pack<V>(aux + base + r * row_stride, cp);
+                        activation_grad<V, ACT>(g, p, a, f, ep);
+                        store_pack<V>(ep.dt + base + r * row_stride, cp, g);
+                    }
 #pragma unroll
                     for (int e = 0; e < V; ++e) {
                         const acc_t d = to_acc(g.v[e]);
@@ -673,10 +791,10 @@ extern "C" __global__ void strided_norm_bwd_sums_cols(
     int groups, int64 chans_per_group, int64 ctas_per_n, int vectorized) {
     if (vectorized)
         bwd_sums_cols<VEC>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                           chans_per_group, ctas_per_n);
+                           chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr);
     else
         bwd_sums_cols<1>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                         chans_per_group, ctas_per_n);
+                         chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr);
 }
 #endif
 

@@ -19,6 +19,7 @@ from ._program import (
 _SEGMENT = "segment_norm.cu"
 _STRIDED = "strided_norm.cu"
 _SINGLE = "single_launch_norm.cu"
+_FUSED = "fused_norm.cu"
 
 _NULL = np.uint64(0)
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}

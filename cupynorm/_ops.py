@@ -33,6 +33,7 @@ from ._segment import (
     _segment_launch,
 )
 from ._strided import (
+    Epilogue,
     _apply,
     _backward,
     _finalize,
@@ -147,8 +148,51 @@ def batch_norm_fwd(
     eps: float,
 ) -> tuple:
     """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial)."""
+    return _batch_norm_forward(
+        x, weight, bias, running_mean, running_var, training, momentum, eps, None, "identity"
+    )
+
+
+@_programmed
+def batch_norm_act_fwd(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+    residual: Any,
+    act: str,
+) -> tuple:
+    """y = act(batch_norm(x) + residual) in the apply pass (residual None: no add), with
+    batch_norm_fwd's statistics: (y, save_mean, save_rstd). act: "identity", "relu" or "silu"
+    (``_strided.ACTIVATIONS``); residual has x's shape and dtype."""
+    return _batch_norm_forward(
+        x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act
+    )
+
+
+def _batch_norm_forward(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+    residual: Any,
+    act: str,
+) -> tuple:
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
+    epilogue = None
+    if residual is not None or act != "identity":
+        if residual is not None:
+            residual = _match_layout(call, residual, x)
+        epilogue = Epilogue(act, residual)
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     y = call.bk.empty_strided_like(x)
@@ -168,7 +212,7 @@ def batch_norm_fwd(
             mean = call.bk.astype(running_mean, call.acc)
             rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
         if _plan.prod(tuple(x.shape)):
-            _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
+            _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue)
         return y, mean, rstd
     mean, rstd = call.stats((C,), x), call.stats((C,), x)
     count = N * S
@@ -179,7 +223,7 @@ def batch_norm_fwd(
     if S == 1:
         layout = "channels_last"  # (N, C): channels innermost, one row per sample
     # fmt: off
-    if layout != "contiguous" and in_kernel and _single.batch_norm_fwd_cols(
+    if layout != "contiguous" and in_kernel and epilogue is None and _single.batch_norm_fwd_cols(
             call, x, y, weight, bias, mean, rstd, running_mean, running_var, momentum, eps,
             count, C):
         if running:
@@ -204,7 +248,7 @@ def batch_norm_fwd(
         if running_var is not None:
             unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
             call.bk.update_running(running_var, unbiased, momentum)
-    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
+    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue)
     return y, mean, rstd
 
 
@@ -232,6 +276,47 @@ def batch_norm_bwd(
     return _backward(
         call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0, 1, training, needs_input_grad
     )
+
+
+@_programmed
+def batch_norm_act_bwd(
+    dy: Any,
+    x: Any,
+    save_mean: Any,
+    save_rstd: Any,
+    weight: Any,
+    training: bool,
+    needs_input_grad: tuple[bool, bool, bool, bool],
+    residual: Any,
+    y: Any,
+    bias: Any,
+    act: str,
+) -> tuple:
+    """(dx, dweight, dbias, dresidual) of batch_norm_act_fwd; needs_input_grad in that order.
+
+    y is the forward's output (ReLU's gradient reads it); residual and bias are its inputs
+    (SiLU's gradient recomputes its input from them). dt = dL/d(norm(x) + residual), written by
+    the backward's first pass, is the residual's gradient; with the identity it is dy itself.
+    """
+    call = _Call(x, weight)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    if S == 1:
+        layout = "channels_last"
+    if act == "identity":
+        epilogue, dt = None, dy
+    else:
+        dt = call.bk.empty_strided_like(x)
+        if residual is not None:
+            residual = _match_layout(call, residual, x)
+        epilogue = Epilogue(act, residual, _match_layout(call, y, x), bias, dt)
+    # fmt: off
+    dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
+                                   1, training, needs_input_grad[:3], epilogue)
+    # fmt: on
+    return dx, dweight, dbias, dt if needs_input_grad[3] else None
 
 
 # ---- the seed-002 tail: row norm, then (xhat + y) * y ---------------------------------------

@@ -1,7 +1,9 @@
 """Host side of the strided family (``strided_norm.cu``): partial Welford triples over rows or
 columns (channels innermost), their deterministic merge (finalize), the elementwise apply, and the
 backward's sums, merge and dx passes. Serves BatchNorm, every norm on channels_last data, and
-segments too long for an on-chip team.
+segments too long for an on-chip team. With an :class:`Epilogue` (a residual add and an
+activation after the norm), the apply and the backward sums run the fused family's kernels
+(``fused_norm.cu``) and every other pass stays the same.
 """
 
 from __future__ import annotations
@@ -12,12 +14,45 @@ import numpy as np
 
 from . import _compile, _plan, _single
 from ._launch import (
+    _FUSED,
     _ITEMSIZE,
     _NULL,
     _STRIDED,
     _Call,
     _scalar,
 )
+
+#: The activations a fused epilogue applies after the norm (and the optional residual add).
+ACTIVATIONS = ("identity", "relu", "silu")
+
+
+class Epilogue(NamedTuple):
+    """A fused epilogue: ``y = act(norm(x) + residual)``.
+
+    The forward needs ``act`` and ``residual`` (None: no add). The backward also needs what the
+    activation's gradient is computed from -- ``y`` (the forward's output, ReLU) or ``bias``
+    (SiLU recomputes its input from x, the statistics, weight, bias and the residual) -- and
+    ``dt``, the buffer (x's layout) that receives dL/d(norm(x) + residual): the gradient the
+    norm's own backward then takes, and the residual's.
+    """
+
+    act: str
+    residual: Any = None
+    y: Any = None
+    bias: Any = None
+    dt: Any = None
+
+    def apply_kernel(self, rows: bool) -> str | None:
+        """The fused apply kernel, or None when the plain one computes the same thing."""
+        if self.residual is None and self.act == "identity":
+            return None
+        add = "add_" if self.residual is not None else ""
+        return f"fused_norm_apply_{'rows' if rows else 'cols'}_{add}{self.act}"
+
+    @property
+    def fused_backward(self) -> bool:
+        """Whether dy must become dt first (an activation with a gradient other than 1)."""
+        return self.act != "identity"
 
 
 class _Partials(NamedTuple):
@@ -215,10 +250,16 @@ def _apply(
     S: int,
     groups: int,
     cpg: int,
+    epilogue: Epilogue | None = None,
 ) -> None:
-    """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel)."""
-    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, y))
-    kernel = "strided_norm_apply_rows" if geo.rows else "strided_norm_apply_cols"
+    """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel),
+    then the epilogue's residual add and activation when one is given."""
+    residual = epilogue.residual if epilogue is not None else None
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, y, residual))
+    source, kernel = _STRIDED, "strided_norm_apply_rows" if geo.rows else "strided_norm_apply_cols"
+    fused = epilogue.apply_kernel(geo.rows) if epilogue is not None else None
+    if fused is not None:
+        source, kernel = _FUSED, fused
     args = (
         call.ptr(x),
         _NULL,
@@ -230,7 +271,7 @@ def _apply(
         _NULL,
         _NULL,
     )
-    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+    call.launch(source, kernel, geo.grid, geo.block, args + geo.tail + (call.ptr(residual),))
 
 
 def _backward(
@@ -248,12 +289,23 @@ def _backward(
     cpg: int,
     training: bool,
     needs_input_grad: tuple[bool, bool, bool],
+    epilogue: Epilogue | None = None,
 ) -> tuple:
-    """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu."""
+    """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu.
+
+    With an epilogue whose activation has a gradient (``fused_backward``), the sums pass first
+    turns dy into ``epilogue.dt`` and everything after it works on dt.
+    """
     need_dx, need_dw, need_db = needs_input_grad
     need_dw = need_dw and weight is not None
     dx = call.bk.empty_strided_like(x) if need_dx else None
-    aligned = call.aligned(x, dy, dx)
+    fused = epilogue is not None and epilogue.fused_backward
+    if fused:
+        assert epilogue is not None  # for the type checker
+        extra = (epilogue.dt, epilogue.residual, epilogue.y)
+        aligned = call.aligned(x, dy, dx, *(t for t in extra if t is not None))
+    else:
+        aligned = call.aligned(x, dy, dx)
     geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
@@ -264,7 +316,7 @@ def _backward(
             if grad is not None:
                 call.bk.fill_zero(grad)
         return dx, dweight, dbias
-    if not geo.rows and groups == 0:  # BatchNorm on channels-innermost data: one launch?
+    if not geo.rows and groups == 0 and not fused:  # BatchNorm, channels innermost: one launch?
         # fmt: off
         if _single.batch_norm_bwd_cols(call, dy, x, mean, rstd, weight, dx, dweight, dbias,
                                        N * S, C, training):
@@ -274,9 +326,21 @@ def _backward(
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean)
     partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
     smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
-    kernel = "strided_norm_bwd_sums_rows" if geo.rows else "strided_norm_bwd_sums_cols"
-    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials))
-    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail, smem=smem)
+    layout_name = "rows" if geo.rows else "cols"
+    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials)) + geo.tail
+    if fused:
+        assert epilogue is not None
+        # fmt: off
+        call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid,
+                    geo.block, args + (
+            call.ptr(epilogue.residual), call.ptr(epilogue.y), call.ptr(epilogue.dt),
+            call.ptr(weight), call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
+        # fmt: on
+        dy = epilogue.dt  # the norm's backward from here on
+    else:
+        call.launch(
+            _STRIDED, f"strided_norm_bwd_sums_{layout_name}", geo.grid, geo.block, args, smem=smem
+        )
     # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
     _bwd_finalize(
         call,
@@ -311,7 +375,7 @@ def _backward(
             call.ptr(u),
             call.ptr(v),
         )
-        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail)
+        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
     return dx, dweight, dbias
 
 

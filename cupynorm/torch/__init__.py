@@ -10,15 +10,18 @@ Example::
 
     >>> import cupynorm.torch as cnt
     >>> model = cnt.replace_norms(model)              # swap torch.nn norms in place
+    >>> model = cnt.fuse(model)                       # ... and fold BatchNorm2d + add + ReLU
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
 from .convert import replace_norms
-from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
+from .fuse import fuse
+from .functional import batch_norm, batch_norm_act, group_norm, instance_norm, row_norm_add_mul
 from .modules import (
     BatchNorm1d,
     BatchNorm2d,
     BatchNorm3d,
+    BatchNormAct2d,
     GroupNorm,
     InstanceNorm1d,
     InstanceNorm2d,
@@ -30,12 +33,15 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "BatchNormAct2d",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
     "RowNormAddMul",
     "batch_norm",
+    "batch_norm_act",
+    "fuse",
     "group_norm",
     "instance_norm",
     "replace_norms",

@@ -14,6 +14,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._kernels import (
+    _batch_norm_act_bwd,
     _batch_norm_bwd,
     _batch_norm_fwd,
     _group_norm_bwd,
@@ -56,6 +57,25 @@ def _batch_norm_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+def _batch_norm_act_setup(ctx, inputs, output) -> None:
+    # inputs: batch norm's, then residual and act; the activation's gradient needs the output
+    # (ReLU) or bias and the residual (SiLU recomputes its input)
+    x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
+    y = output[0]
+    ctx.save_for_backward(
+        x,
+        weight,
+        output[1],
+        output[2],
+        residual if act == "silu" else None,
+        y if act == "relu" else None,
+        bias if act == "silu" else None,
+    )
+    ctx.training, ctx.act = training, act
+    ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
+    ctx.set_materialize_grads(False)
+
+
 def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
     x, y, _eps = inputs
     _out, mean, rstd = output
@@ -91,6 +111,22 @@ def _make_batch_norm_backward(bwd):
         mask = [needs[0], needs[1], needs[2]]
         dx, dweight, dbias = bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask)
         return dx, dweight, dbias, None, None, None, None, None
+
+    return backward
+
+
+def _make_batch_norm_act_backward(bwd):
+    def backward(ctx, dy, *_stat_grads):
+        if dy is None:
+            return (None,) * 10
+        x, weight, save_mean, save_rstd, residual, y, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = [needs[0], needs[1], needs[2], needs[8]]
+        # fmt: off
+        dx, dweight, dbias, dres = bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
+                                       residual, y, bias, ctx.act)
+        # fmt: on
+        return dx, dweight, dbias, None, None, None, None, None, dres, None
 
     return backward
 
@@ -142,6 +178,29 @@ class _BatchNormFunction(torch.autograd.Function):
         return output
 
     backward = staticmethod(once_differentiable(_make_batch_norm_backward(_batch_norm_bwd)))
+
+
+class _BatchNormActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
+                act):  # fmt: skip
+        inputs = (
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            training,
+            momentum,
+            eps,
+            residual,
+            act,
+        )
+        output = _batch_norm_fwd(*inputs)
+        _batch_norm_act_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(once_differentiable(_make_batch_norm_act_backward(_batch_norm_act_bwd)))
 
 
 class _RowNormAddMulFunction(torch.autograd.Function):

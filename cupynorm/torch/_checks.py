@@ -176,6 +176,31 @@ def check_batch_norm(
     check_kernel_inputs("batch_norm", input, weight, bias, running_mean, running_var)
 
 
+ACTIVATIONS = ("identity", "relu", "silu")  # the fused epilogue's, as the kernels name them
+
+
+def check_epilogue(fn: str, input: Tensor, residual: Tensor | None, activation: str) -> None:
+    """The residual add and activation of a fused op: a tensor like ``input``, a known name."""
+    if activation not in ACTIVATIONS:
+        raise InvalidInputError(
+            f"{fn}: expected activation to be one of {', '.join(map(repr, ACTIVATIONS))}, "
+            f"got {activation!r}"
+        )
+    if residual is None:
+        return
+    check_tensor(fn, "residual", residual)
+    if residual.shape != input.shape:
+        raise InvalidInputError(
+            f"{fn}: expected residual of the input's shape {tuple(input.shape)}, "
+            f"got {tuple(residual.shape)}"
+        )
+    if residual.dtype != input.dtype or residual.device != input.device:
+        raise InvalidTypeError(
+            f"{fn}: expected residual of the input's dtype and device ({input.dtype}, "
+            f"{input.device}), got {residual.dtype}, {residual.device}"
+        )
+
+
 def check_row_norm_add_mul(x: Tensor, y: Tensor, eps: float) -> None:
     check_tensor("row_norm_add_mul", "y", y)
     if x.dim() < 1:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ._reference import (
+    _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
     _group_norm_bwd_reference,
@@ -205,12 +206,17 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
-def _batch_norm_fwd_cuda(x, weight, bias, running_mean, running_var, training, momentum, eps):
+def _batch_norm_fwd_cuda(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, residual=None, act=None
+):
+    """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual)."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
-    y, save_mean, save_rstd = _host().batch_norm_fwd(
-        x, _vec(weight), _vec(bias), mean, var, training, momentum, eps
-    )
+    args = (x, _vec(weight), _vec(bias), mean, var, training, momentum, eps)
+    if residual is None and act is None:
+        y, save_mean, save_rstd = _host().batch_norm_fwd(*args)
+    else:
+        y, save_mean, save_rstd = _host().batch_norm_act_fwd(*args, residual, act or "identity")
     if training:
         _write_back(running_mean, mean)
         _write_back(running_var, var)
@@ -226,13 +232,62 @@ def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_m
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
 
 
-def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps):
+def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps, *epi):
+    """Batch norm; ``epi`` = (residual, act) for the fused op."""
     if x.is_cuda:
         return _batch_norm_fwd_cuda(
-            x, weight, bias, running_mean, running_var, training, momentum, eps
+            x, weight, bias, running_mean, running_var, training, momentum, eps, *epi
         )
     return _batch_norm_fwd_reference(
-        x, weight, bias, running_mean, running_var, training, momentum, eps
+        x, weight, bias, running_mean, running_var, training, momentum, eps, *epi
+    )
+
+
+def _batch_norm_act_bwd_cuda(
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+):
+    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
+    x, fmt = _dense(x)
+    dy = dy.contiguous(memory_format=fmt)
+    mask = tuple(output_mask)
+    dx, dweight, dbias, dres = _host().batch_norm_act_bwd(
+        dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, y, _vec(bias), act
+    )
+    dx, dweight, dbias = _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask[:3])
+    return dx, dweight, dbias, dres
+
+
+def _batch_norm_act_bwd(
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+):
+    args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act)
+    if x.is_cuda:
+        return _batch_norm_act_bwd_cuda(*args)
+    return _batch_norm_act_bwd_reference(*args)
+
+
+def _batch_norm_act_bwd_op_kernel(bwd):
+    """The op's kernel: ``bwd`` with the residual's gradient never aliasing dy (the identity
+    hands dy itself back, fine in eager; an op's output must not alias an input)."""
+
+    def kernel(dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act):
+        grads = bwd(
+            dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+        )
+        dres = grads[3]
+        if dres is not None and dres.data_ptr() == dy.data_ptr():
+            dres = dres.clone()
+        return (*grads[:3], dres)
+
+    return kernel
+
+
+def _batch_norm_act_bwd_fake(
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+):
+    return (
+        *_norm_bwd_fake(dy, x, save_mean, save_rstd, weight, training, output_mask[:3]),
+        _empty_out(x) if output_mask[3] else None,
     )
 
 
@@ -245,10 +300,10 @@ def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask):
 def _batch_norm_fwd_op_kernel(fwd):
     """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs."""
 
-    def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps, *epi):
         if not training:
             y, save_mean, save_rstd = fwd(
-                x, weight, bias, running_mean, running_var, False, momentum, eps
+                x, weight, bias, running_mean, running_var, False, momentum, eps, *epi
             )
             if save_mean.data_ptr() == running_mean.data_ptr():
                 # the host code may hand back running_mean itself as save_mean (fine in eager,
@@ -257,13 +312,13 @@ def _batch_norm_fwd_op_kernel(fwd):
             return y, save_mean, save_rstd, None, None
         new_mean = None if running_mean is None else running_mean.clone()
         new_var = None if running_var is None else running_var.clone()
-        y, save_mean, save_rstd = fwd(x, weight, bias, new_mean, new_var, True, momentum, eps)
+        y, save_mean, save_rstd = fwd(x, weight, bias, new_mean, new_var, True, momentum, eps, *epi)
         return y, save_mean, save_rstd, new_mean, new_var
 
     return kernel
 
 
-def _batch_norm_fwd_fake(x, weight, bias, running_mean, running_var, training, momentum, eps):
+def _batch_norm_fwd_fake(x, weight, bias, running_mean, running_var, training, momentum, eps, *epi):
     stats = x.new_empty((x.shape[1],), dtype=_stat_dtype(x.dtype))
     new_mean = torch.empty_like(running_mean) if training and running_mean is not None else None
     new_var = torch.empty_like(running_var) if training and running_var is not None else None

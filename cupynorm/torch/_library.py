@@ -10,6 +10,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
         -> (y, save_mean, save_rstd, new_running_mean?, new_running_var?)
     batch_norm_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask)
         -> (dx?, dweight?, dbias?)
+    batch_norm_act_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps,
+                       residual?, act) -> as batch_norm_fwd         # y = act(norm(x) + residual)
+    batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask, residual?,
+                       y, bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
 
@@ -26,15 +30,20 @@ from __future__ import annotations
 import torch
 
 from ._autograd import (
+    _batch_norm_act_setup,
     _batch_norm_setup,
     _group_norm_setup,
     _instance_norm_setup,
+    _make_batch_norm_act_backward,
     _make_batch_norm_backward,
     _make_group_norm_backward,
     _make_row_norm_add_mul_backward,
     _row_norm_add_mul_setup,
 )
 from ._kernels import (
+    _batch_norm_act_bwd_cuda,
+    _batch_norm_act_bwd_fake,
+    _batch_norm_act_bwd_op_kernel,
     _batch_norm_bwd_cuda,
     _batch_norm_fwd_cuda,
     _batch_norm_fwd_fake,
@@ -52,6 +61,7 @@ from ._kernels import (
     _row_norm_add_mul_fwd_fake,
 )
 from ._reference import (
+    _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
     _group_norm_bwd_reference,
@@ -89,6 +99,16 @@ _SCHEMAS = {
         "batch_norm_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd, Tensor? weight,"
         " bool training, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
     ),
+    "batch_norm_act_fwd": (
+        "batch_norm_act_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
+        " Tensor? running_var, bool training, float momentum, float eps, Tensor? residual,"
+        " str act) -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
+    ),
+    "batch_norm_act_bwd": (
+        "batch_norm_act_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd,"
+        " Tensor? weight, bool training, bool[4] output_mask, Tensor? residual, Tensor? y,"
+        " Tensor? bias, str act) -> (Tensor?, Tensor?, Tensor?, Tensor?)"
+    ),
     "row_norm_add_mul_fwd": (
         "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
     ),
@@ -113,6 +133,16 @@ _KERNELS = {
         _batch_norm_fwd_fake,
     ),
     "batch_norm_bwd": (_batch_norm_bwd_cuda, _batch_norm_bwd_reference, _norm_bwd_fake),
+    "batch_norm_act_fwd": (
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda),
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
+        _batch_norm_fwd_fake,
+    ),
+    "batch_norm_act_bwd": (
+        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_cuda),
+        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_reference),
+        _batch_norm_act_bwd_fake,
+    ),
     "row_norm_add_mul_fwd": (
         _row_norm_add_mul_fwd_cuda,
         _row_norm_add_mul_fwd_reference,
@@ -138,6 +168,8 @@ group_norm_bwd_op = _torch_ops.group_norm_bwd.default
 instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
 batch_norm_fwd_op = _torch_ops.batch_norm_fwd.default
 batch_norm_bwd_op = _torch_ops.batch_norm_bwd.default
+batch_norm_act_fwd_op = _torch_ops.batch_norm_act_fwd.default
+batch_norm_act_bwd_op = _torch_ops.batch_norm_act_bwd.default
 row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
 row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
 
@@ -157,6 +189,12 @@ torch.library.register_autograd(
     "cupynorm::batch_norm_fwd",
     _make_batch_norm_backward(batch_norm_bwd_op),
     setup_context=_batch_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::batch_norm_act_fwd",
+    _make_batch_norm_act_backward(batch_norm_act_bwd_op),
+    setup_context=_batch_norm_act_setup,
     lib=_lib,
 )
 torch.library.register_autograd(

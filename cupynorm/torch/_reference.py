@@ -16,6 +16,11 @@ Instance norm is group norm with G = C; its running statistics, like torch's, ge
 the batch of the per-instance mean and unbiased variance. Batch norm in eval normalizes with the
 running statistics (dx = dy * weight * rstd). The row norm + add + mul (seed 002) is
 out = (xhat + y) * y, so dx as above with gx = dout * y and dy = dout * (xhat + 2 y).
+The fused batch norm epilogue is y = act(t), t = norm(x) + residual, computed in float32 with one
+rounding; its backward takes dt = dy * act'(t) (ReLU: dy where y > 0, from the output; SiLU:
+dy * s * (1 + t * (1 - s)), s = sigmoid(t)), rounds it to the input dtype -- what the unfused
+activation's backward hands the norm -- and runs the batch norm backward on dt; dt is also the
+residual's gradient.
 """
 
 from __future__ import annotations
@@ -138,7 +143,13 @@ def _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, mom
     return y, mean, rstd
 
 
-def _batch_norm_fwd_reference(x, weight, bias, running_mean, running_var, training, momentum, eps):
+_ACTIVATIONS = {"identity": lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu}
+
+
+def _batch_norm_fwd_reference(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, residual=None, act=None
+):
+    """Batch norm; with ``residual`` / ``act`` (the fused op) y = act(norm(x) + residual)."""
     stat = _stat_dtype(x.dtype)
     shape = _channel_shape(x)
     xs = x.to(stat)
@@ -152,8 +163,36 @@ def _batch_norm_fwd_reference(x, weight, bias, running_mean, running_var, traini
         var = running_var.to(stat)
     rstd = torch.rsqrt(var + eps)
     y = _affine((xs - mean.reshape(shape)) * rstd.reshape(shape), weight, bias, shape)
+    if residual is not None:
+        y = y + residual.to(stat)
+    if act is not None:
+        y = _ACTIVATIONS[act](y)
     y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
     return y, mean, rstd
+
+
+def _batch_norm_act_bwd_reference(
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+):
+    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
+    if act == "relu":
+        dt = torch.where(y > 0, dy, torch.zeros_like(dy))
+    elif act == "silu":
+        stat = _stat_dtype(x.dtype)
+        shape = _channel_shape(x)
+        xhat = (x.to(stat) - save_mean.reshape(shape)) * save_rstd.reshape(shape)
+        t = _affine(xhat, weight, bias, shape)
+        if residual is not None:
+            t = t + residual.to(stat)
+        s = torch.sigmoid(t)
+        dt = (dy.to(stat) * s * (1 + t * (1 - s))).to(dy.dtype)
+    else:
+        dt = dy
+    dx, dweight, dbias = _batch_norm_bwd_reference(
+        dt, x, save_mean, save_rstd, weight, training, output_mask[:3]
+    )
+    dt = dt.to(memory_format=_layout(x) or torch.contiguous_format)
+    return dx, dweight, dbias, dt if output_mask[3] else None
 
 
 def _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask):

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from . import _checks
 from ._autograd import (
+    _BatchNormActFunction,
     _BatchNormFunction,
     _GroupNormFunction,
     _InstanceNormFunction,
@@ -59,13 +60,14 @@ from ._kernels import (
     _row_norm_add_mul_fwd,
 )
 from ._library import (
+    batch_norm_act_fwd_op,
     batch_norm_fwd_op,
     group_norm_fwd_op,
     instance_norm_fwd_op,
     row_norm_add_mul_fwd_op,
 )
 
-__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+__all__ = ["batch_norm", "batch_norm_act", "group_norm", "instance_norm", "row_norm_add_mul"]
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -117,6 +119,24 @@ def _apply_batch_norm(x, weight, bias, running_mean, running_var, training, mome
         return y
     if _wants_grad(x, weight, bias):
         return _BatchNormFunction.apply(*args)[0]
+    return _batch_norm_fwd(*args)[0]
+
+
+def _apply_batch_norm_act(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act
+) -> Tensor:
+    args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act)
+    if _traced(x):
+        y, _mean, _rstd, new_mean, new_var = batch_norm_act_fwd_op(*args)
+        if new_mean is not None:
+            running_mean.copy_(new_mean)
+        if new_var is not None:
+            running_var.copy_(new_var)
+        return y
+    if _wants_grad(x, weight, bias) or (
+        residual is not None and residual.requires_grad and torch.is_grad_enabled()
+    ):
+        return _BatchNormActFunction.apply(*args)[0]
     return _batch_norm_fwd(*args)[0]
 
 
@@ -305,6 +325,55 @@ def batch_norm(
     return _apply_batch_norm(
         input, weight, bias, running_mean, running_var, training, momentum, eps
     )
+
+
+_TORCH_ACTIVATIONS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
+
+
+def batch_norm_act(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    residual: Tensor | None = None,
+    activation: str = "relu",
+) -> Tensor:
+    r"""Batch normalization, a residual add and an activation in one pass:
+    ``activation(batch_norm(input, ...) + residual)``.
+
+    The arguments before ``residual`` are :func:`batch_norm`'s. The add and the activation run
+    in the normalize pass (float32, one rounding), and the backward turns the incoming gradient
+    into the activation's input gradient in its first pass (ReLU from the saved output, SiLU
+    recomputed), which is also the residual's gradient: the forward reads ``input`` and
+    ``residual`` once and writes one tensor, where the unfused sequence makes three passes.
+
+    Args:
+        residual: tensor of the input's shape, dtype and device added before the activation
+            (the ResNet bottleneck's identity branch), or None.
+        activation: ``"relu"``, ``"silu"`` or ``"identity"``. Default: ``"relu"``
+
+    Example::
+
+        >>> x, identity = torch.randn(2, 8, 64, 56, 56, device="cuda").unbind(0)
+        >>> mean, var = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
+        >>> y = cupynorm.torch.batch_norm_act(x, mean, var, training=True, residual=identity)
+    """
+    _checks.check_tensor("batch_norm_act", "input", input)
+    _checks.check_epilogue("batch_norm_act", input, residual, activation)
+    if not _use_kernels(input):
+        y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        return _TORCH_ACTIVATIONS[activation](y if residual is None else y + residual)
+    _checks.check_batch_norm(
+        input, running_mean, running_var, weight, bias, training, momentum, eps
+    )
+    # fmt: off
+    return _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training,
+                                 momentum, eps, residual, activation)
+    # fmt: on
 
 
 def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:

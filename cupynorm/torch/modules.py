@@ -21,12 +21,20 @@ import warnings
 import torch
 from torch import Tensor
 
-from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
+from .functional import (
+    _TORCH_ACTIVATIONS,
+    batch_norm,
+    batch_norm_act,
+    group_norm,
+    instance_norm,
+    row_norm_add_mul,
+)
 
 __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "BatchNormAct2d",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
@@ -39,6 +47,11 @@ class _BatchNormForward:
     """``forward`` of ``torch.nn.modules.batchnorm._BatchNorm`` on :func:`batch_norm`."""
 
     def forward(self, input: Tensor) -> Tensor:
+        return batch_norm(*self._batch_norm_args(input))
+
+    def _batch_norm_args(self, input: Tensor) -> tuple:
+        """The arguments torch's ``_BatchNorm.forward`` hands ``F.batch_norm`` (and its
+        ``num_batches_tracked`` update)."""
         self._check_input_dim(input)
         # The exponential average factor exactly as torch's _BatchNorm.forward computes it.
         if self.momentum is None:
@@ -57,7 +70,7 @@ class _BatchNormForward:
         # The running statistics are passed when they are updated (training and tracked) or used
         # (eval and present).
         use_buffers = not self.training or self.track_running_stats
-        return batch_norm(
+        return (
             input,
             self.running_mean if use_buffers else None,
             self.running_var if use_buffers else None,
@@ -191,6 +204,49 @@ class BatchNorm2d(_BatchNormForward, torch.nn.BatchNorm2d):
 
 class BatchNorm3d(_BatchNormForward, torch.nn.BatchNorm3d):
     __doc__ = _doc(_BATCH_NORM_DOC, "BatchNorm3d", "5D", ":math:`(N, C, D, H, W)`", "4, 3, 5, 7, 3")
+
+
+class BatchNormAct2d(BatchNorm2d):
+    r"""BatchNorm2d, a residual add and an activation fused:
+    ``activation(batch_norm(input) + residual)`` (:func:`cupynorm.torch.batch_norm_act`).
+
+    The ResNet bottleneck's tail (``bn3``, ``+= identity``, ReLU) and the norm-activation pairs
+    of most convolutional networks in one module and one pass over the data. It is a
+    :class:`BatchNorm2d` (so a :class:`torch.nn.BatchNorm2d`) with the same parameters, buffers
+    and ``state_dict``; :func:`cupynorm.torch.fuse` puts it in place of a BatchNorm2d whose
+    activation (and residual add) it absorbs.
+
+    Args:
+        *args, **kwargs: :class:`torch.nn.BatchNorm2d`'s.
+        activation: ``"relu"``, ``"silu"`` or ``"identity"``. Default: ``"relu"``
+
+    Shape:
+        - Input, residual: :math:`(N, C, H, W)`, the same shape and dtype
+        - Output: same shape (and memory format) as the input
+
+    Example::
+
+        >>> m = cupynorm.torch.BatchNormAct2d(64).cuda()
+        >>> x, identity = torch.randn(2, 8, 64, 56, 56, device="cuda").unbind(0)
+        >>> y = m(x, identity)          # relu(bn(x) + identity)
+    """
+
+    activation: str
+
+    def __init__(self, *args, activation: str = "relu", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.activation = activation
+
+    def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor:
+        args = self._batch_norm_args(input)
+        if residual is not None and (
+            residual.shape != input.shape or residual.dtype != input.dtype
+        ):  # an add that broadcasts or promotes (fuse() cannot see shapes): torch's, unfused
+            return _TORCH_ACTIVATIONS[self.activation](batch_norm(*args) + residual)
+        return batch_norm_act(*args, residual=residual, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation!r}"
 
 
 class InstanceNorm1d(_InstanceNormForward, torch.nn.InstanceNorm1d):

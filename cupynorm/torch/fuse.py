@@ -1,0 +1,162 @@
+"""``fuse(model)``: cupynorm's norms in place of torch's, with the activation and the residual add
+that follow a BatchNorm2d folded into it (:class:`~cupynorm.torch.BatchNormAct2d`).
+
+The model is traced with :mod:`torch.fx` (norm layers kept as leaves), and in its graph
+
+    bn(x) -> relu | silu                         becomes  BatchNormAct2d(act)(x)
+    bn(x) + r  (or r + bn(x)) -> relu | silu     becomes  BatchNormAct2d(act)(x, r)
+    bn(x) + r                                     becomes  BatchNormAct2d("identity")(x, r)
+
+where the activation is a ``ReLU``/``SiLU`` module, ``F.relu``/``F.silu``/``torch.relu`` or the
+``relu``/``relu_`` method, and the BatchNorm's output (and the sum) has no other user. The
+BatchNorm2d module object itself becomes the fused module (its class is reassigned, as
+:func:`replace_norms` does): parameters, buffers and ``state_dict`` keys stay. Every other norm is
+converted by :func:`replace_norms`.
+
+A model whose ``forward`` does not trace (data-dependent control flow, ...) is fused submodule by
+submodule: each child that traces is fused, the others are searched further down, and norms in
+parts that never trace are still converted (unfused). Limits: the fused parts become
+``torch.fx.GraphModule`` objects (same submodules and ``state_dict``, but a generated ``forward``
+and none of the original class's other methods); an add whose operands turn out to differ in
+shape or dtype at run time (broadcasting) runs unfused in torch.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from . import modules
+from .convert import replace_norms
+
+__all__ = ["fuse"]
+
+_ACT_MODULES = {torch.nn.ReLU: "relu", torch.nn.SiLU: "silu"}
+_ACT_FUNCTIONS = {F.relu: "relu", torch.relu: "relu", F.silu: "silu", torch.relu_: "relu"}
+_ACT_METHODS = {"relu": "relu", "relu_": "relu"}
+_ADDS = (operator.add, operator.iadd, torch.add)
+_NORMS = (
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.GroupNorm,
+)
+
+
+class _NormLeafTracer(fx.Tracer):
+    """torch.fx's tracer, with every norm module (torch's, cupynorm's, libraries') a leaf."""
+
+    def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
+        return isinstance(m, _NORMS) or super().is_leaf_module(m, qualname)
+
+
+def _activation(node: fx.Node, source: fx.Node, mods: dict) -> str | None:
+    """The activation ``node`` applies to ``source`` alone, or None."""
+    if node.op == "call_module":
+        kind = _ACT_MODULES.get(type(mods[node.target]))
+        return kind if kind and node.args == (source,) else None
+    if node.op == "call_function" and node.target in _ACT_FUNCTIONS:
+        simple = node.args == (source,) and set(node.kwargs) <= {"inplace"}
+        return _ACT_FUNCTIONS[node.target] if simple else None
+    if node.op == "call_method" and node.target in _ACT_METHODS:
+        return _ACT_METHODS[node.target] if node.args == (source,) and not node.kwargs else None
+    return None
+
+
+def _residual(node: fx.Node, source: fx.Node) -> fx.Node | None:
+    """The other operand when ``node`` is ``source + other`` (either order), else None."""
+    plain_add = (node.op == "call_function" and node.target in _ADDS) or (
+        node.op == "call_method" and node.target in ("add", "add_") and node.args[0] is source
+    )
+    if not plain_add or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    other = b if a is source else a if b is source else None
+    return other if isinstance(other, fx.Node) and other is not source else None
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fuse_graph(gm: fx.GraphModule, prefix: str, report: list[str] | None) -> int:
+    """Rewrite the patterns of the module docstring in ``gm``'s graph; returns how many."""
+    mods = dict(gm.named_modules())
+    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or type(mods[node.target]) not in (
+            torch.nn.BatchNorm2d,
+            modules.BatchNorm2d,
+        ):
+            continue
+        if calls[node.target] != 1:  # a module called twice: fusing one call would change both
+            continue
+        user = _only_user(node)
+        if user is None:
+            continue
+        residual, act, last = None, _activation(user, node, mods), user
+        if act is None:
+            residual = _residual(user, node)
+            if residual is None:
+                continue
+            after = _only_user(user)
+            act = _activation(after, user, mods) if after is not None else None
+            if act is None:
+                act = "identity"
+            else:
+                last = after
+        bn = mods[node.target]
+        bn.__class__ = modules.BatchNormAct2d
+        bn.activation = act
+        args = (node.args[0],) if residual is None else (node.args[0], residual)
+        with gm.graph.inserting_after(last):
+            new = gm.graph.call_module(node.target, args)
+        last.replace_all_uses_with(new)
+        for dead in (last, user, node):
+            if dead in gm.graph.nodes and not dead.users:
+                gm.graph.erase_node(dead)
+        fused += 1
+        if report is not None:
+            add = " + add" if residual is not None else ""
+            report.append(f"{prefix}{node.target}{add} + {act}")
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+def _fuse(model: torch.nn.Module, prefix: str, report: list[str] | None) -> torch.nn.Module:
+    try:
+        graph = _NormLeafTracer().trace(model)
+    except Exception:  # any failure to trace: fuse the children instead
+        for name, child in model.named_children():
+            if not isinstance(child, _NORMS):
+                setattr(model, name, _fuse(child, f"{prefix}{name}.", report))
+        return model
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm.train(model.training)
+    _fuse_graph(gm, prefix, report)
+    return gm
+
+
+def fuse(model: torch.nn.Module, *, report: list[str] | None = None) -> torch.nn.Module:
+    """Convert ``model``'s norms to cupynorm's and fold a BatchNorm2d's following activation and
+    residual add into it; returns the converted model (a :class:`torch.fx.GraphModule` where it
+    traced: use the returned object).
+
+    Args:
+        model: the model; its norm modules are converted in place (the same module objects).
+        report: a list that receives one line per fusion (``"layer1.0.bn3 + add + relu"``).
+
+    Example::
+
+        >>> fused = []
+        >>> model = cupynorm.torch.fuse(torchvision.models.resnet50().cuda(), report=fused)
+        >>> len(fused)       # BatchNorm2d + ReLU, 16 of them with the residual add; the
+        49                   # 4 downsample BatchNorms feed an add that is already fused
+    """
+    replace_norms(model)
+    return _fuse(model, "", report)

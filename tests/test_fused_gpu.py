@@ -1,0 +1,174 @@
+"""The fused BatchNorm + residual add + activation (cupynorm.torch.batch_norm_act, BatchNormAct2d,
+fuse) on the GPU: against the unfused sequence in float64 on fresh data, every dtype and layout,
+odd sizes, offset data, training and eval; and fuse() on a torchvision resnet50 against torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import cuda_available, poison_torch_allocator
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
+
+if cuda_available():
+    import torch
+    import torch.nn.functional as F
+
+    import cupynorm.torch as cnt
+
+    DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
+
+# relative to the largest reference value; half types: one rounding of the output, and dt
+# rounded once before the norm's backward (as the unfused ops do)
+TOL = {"float32": 2e-5, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
+
+CASES = [  # shape, memory format
+    ((4, 5, 7, 9), "contiguous"),  # odd C and planes: the scalar paths
+    ((3, 5, 7, 9), "channels_last"),
+    ((8, 64, 14, 14), "channels_last"),  # a resnet50 layer's shape at a small batch
+    ((2, 32, 33, 31), "contiguous"),
+    ((16, 24), "contiguous"),  # (N, C): BatchNorm1d's form through the functional API
+]
+
+
+def _make(shape, dtype, fmt, offset=0.0):
+    x = torch.randn(shape, device="cuda", dtype=torch.float64) + offset
+    x = x.to(DTYPES.get(dtype, torch.float64))
+    return x.to(memory_format=torch.channels_last) if fmt == "channels_last" else x
+
+
+def _close(ours, ref, dtype, what):
+    assert ours is not None, what
+    assert not torch.isnan(ours).any(), f"NaN in {what}"
+    scale = ref.abs().max().item() + 1e-30
+    err = (ours.double() - ref.double()).abs().max().item() / scale
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("act", ["relu", "silu", "identity"])
+@pytest.mark.parametrize("residual", [True, False], ids=["add", "noadd"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("shape,fmt", CASES, ids=[f"{'x'.join(map(str, s))}-{f}" for s, f in CASES])
+def test_batch_norm_act_matches_float64(dtype, act, residual, training, shape, fmt):
+    if act == "identity" and not residual:
+        pytest.skip("plain batch norm: tested elsewhere")
+    poison_torch_allocator()
+    C = shape[1]
+    x = _make(shape, dtype, fmt, offset=3.0).requires_grad_()
+    z = _make(shape, dtype, fmt).requires_grad_() if residual else None
+    pdtype = torch.float64 if dtype == "float64" else torch.float32
+    w = (torch.rand(C, device="cuda", dtype=pdtype) + 0.5).requires_grad_()
+    b = torch.randn(C, device="cuda", dtype=pdtype).requires_grad_()
+    rm = torch.randn(C, device="cuda", dtype=pdtype)
+    rv = torch.rand(C, device="cuda", dtype=pdtype) + 0.5
+    rm_ref, rv_ref = rm.double(), rv.double()
+    y = cnt.batch_norm_act(x, rm, rv, w, b, training, 0.1, 1e-5, residual=z, activation=act)
+    assert y.dtype == x.dtype and y.is_contiguous(memory_format=_fmt(x))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # float64 reference: the unfused sequence on the same (rounded) inputs
+    xd = x.detach().double().requires_grad_()
+    zd = z.detach().double().requires_grad_() if residual else None
+    wd, bd = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    t = F.batch_norm(xd, rm_ref, rv_ref, wd, bd, training, 0.1, 1e-5)
+    t = t + zd if residual else t
+    # ReLU as a multiplication by our output's mask: the same kink for both (an input within
+    # rounding of 0 may land on either side, and its whole gradient with it)
+    yd = t * (y.detach() > 0) if act == "relu" else ACTS[act](t)
+    yd.backward(dy.double())
+    _close(y.detach(), yd.detach(), dtype, "y")
+    _close(x.grad, xd.grad, dtype, "dx")
+    _close(w.grad, wd.grad, dtype, "dweight")
+    _close(b.grad, bd.grad, dtype, "dbias")
+    if residual:
+        _close(z.grad, zd.grad, dtype, "dresidual")
+    if training:
+        _close(rm, rm_ref, dtype, "running_mean")
+        _close(rv, rv_ref, dtype, "running_var")
+
+
+def _fmt(x):
+    return (
+        torch.channels_last if x.dim() == 4 and not x.is_contiguous() else torch.contiguous_format
+    )
+
+
+def test_batch_norm_act_equals_unfused_cupynorm_in_float32():
+    """The fused op against cupynorm's own batch norm followed by torch's add and ReLU: the same
+    statistics kernels, so the forward agrees to one rounding and the backward closely."""
+    torch.manual_seed(0)
+    x = _make((8, 64, 28, 28), "float32", "channels_last", 1.0).requires_grad_()
+    z = _make((8, 64, 28, 28), "float32", "channels_last").requires_grad_()
+    fused, plain = cnt.BatchNormAct2d(64).cuda(), cnt.BatchNorm2d(64).cuda()
+    y = fused(x, z)
+    x2, z2 = x.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    y2 = F.relu(plain(x2) + z2)
+    torch.testing.assert_close(y, y2, rtol=1e-6, atol=1e-6)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(z.grad, z2.grad, rtol=0, atol=0)  # dy where y > 0: exact
+    torch.testing.assert_close(fused.weight.grad, plain.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused.running_var, plain.running_var)
+
+
+def test_batch_norm_act_cuda_graph_and_compile():
+    torch.manual_seed(0)
+    m = cnt.BatchNormAct2d(16, activation="silu").cuda()
+    x = torch.randn(4, 16, 9, 9, device="cuda")
+    z = torch.randn(4, 16, 9, 9, device="cuda")
+    eager = m(x, z)
+    compiled = torch.compile(copy.deepcopy(m), fullgraph=True)(x, z)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    m.eval()
+    ref = m(x, z)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(x, z)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = m(x, z)
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_fuse_resnet50_matches_torch():
+    """fuse() on torchvision's resnet50 (the GPU machine has torchvision): 49 fusions; fp32
+    without TF32, outputs and gradients within rounding of torch's own model over two training
+    steps, and the same state_dict keys."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    ref = tv.models.resnet50().cuda()
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert len(report) == 49 and sum("+ add" in r for r in report) == 16
+    assert list(model.state_dict()) == list(ref.state_dict())
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, ref)]
+        x = torch.randn(4, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
+        for _ in range(2):
+            outs = []
+            for m, opt in zip((model, ref), opts, strict=True):
+                opt.zero_grad()
+                out = m(x)
+                out.square().mean().backward()
+                opt.step()
+                outs.append(out.detach())
+            scale = outs[1].abs().max().item()
+            assert (outs[0] - outs[1]).abs().max().item() <= 1e-4 * scale
+        grads = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            g = grads[name].grad
+            err = (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-30)
+            assert err <= 5e-2, f"{name}: {err:.2e}"  # resnet50 gradients amplify rounding
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
