@@ -14,7 +14,16 @@ Example::
 """
 
 from .convert import replace_norms
-from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
+from .functional import (
+    add_layer_norm,
+    add_rms_norm,
+    batch_norm,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    rms_norm,
+    row_norm_add_mul,
+)
 from .modules import (
     BatchNorm1d,
     BatchNorm2d,
@@ -23,6 +32,8 @@ from .modules import (
     InstanceNorm1d,
     InstanceNorm2d,
     InstanceNorm3d,
+    LayerNorm,
+    RMSNorm,
     RowNormAddMul,
 )
 
@@ -34,10 +45,16 @@ __all__ = [
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
+    "LayerNorm",
+    "RMSNorm",
     "RowNormAddMul",
+    "add_layer_norm",
+    "add_rms_norm",
     "batch_norm",
     "group_norm",
     "instance_norm",
+    "layer_norm",
     "replace_norms",
+    "rms_norm",
     "row_norm_add_mul",
 ]
