@@ -11,6 +11,7 @@ from typing import Any
 
 from . import _ops, _validate
 from ._interop import is_torch_tensor
+from ._validate import _dtype_name
 
 __all__ = [
     "add_layer_norm",
@@ -238,14 +239,11 @@ def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
 
 # ---- LayerNorm and RMSNorm over the last dims, with or without a residual add -----------------
 def _machine_eps(x: Any) -> float:
-    """``eps=None`` of rms_norm: the machine epsilon of the input's dtype, as torch."""
-    if is_torch_tensor(x):
-        import torch
-
-        return torch.finfo(x.dtype).eps
+    """``eps=None`` of rms_norm: as torch, the machine epsilon of the type the norm computes in
+    (float32; float64 for float64 input), not of a half-precision input's own type."""
     import numpy
 
-    return float(numpy.finfo(x.dtype).eps)
+    return float(numpy.finfo(numpy.float64 if _dtype_name(x) == "float64" else numpy.float32).eps)
 
 
 def _row_norm(
@@ -330,8 +328,9 @@ def rms_norm(
         input: (\*, \*normalized_shape) array.
         normalized_shape: an int or a sequence of ints, the trailing dimensions normalized over.
         weight: optional array of shape ``normalized_shape``, the input's dtype or float32.
-        eps: added to the mean square; None (default) means the machine epsilon of the input's
-            dtype, as :func:`torch.nn.functional.rms_norm`.
+        eps: added to the mean square; None (default) means the machine epsilon of the type the
+            norm computes in (float32; float64 for float64 input), as
+            :func:`torch.nn.functional.rms_norm`.
 
     Returns:
         The normalized array, contiguous, of the input's type, shape and dtype.

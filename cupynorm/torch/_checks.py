@@ -191,6 +191,11 @@ def check_row_norm_add_mul(x: Tensor, y: Tensor, eps: float) -> None:
         )
 
 
+def _cpu_shell(t: Tensor | None) -> Tensor | None:
+    """A CPU tensor of t's shape and dtype that holds one element (all strides 0)."""
+    return None if t is None else torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
 def normalized_dims(normalized_shape: Any) -> tuple[int, ...]:
     """``normalized_shape`` as torch takes it (an int, a list or a torch.Size) as a tuple."""
     if isinstance(normalized_shape, int):
@@ -217,8 +222,13 @@ def check_row_norm(
     bad_shape = k == 0 or input.dim() < k or tuple(input.shape[input.dim() - k :]) != dims
     bad_params = any(t is not None and tuple(t.shape) != dims for t in (weight, bias))
     if bad_shape or bad_params:
+        # asked on CPU stand-ins (zero-stride, no memory), not on meta: the meta functions of
+        # these norms word their errors differently from the CUDA/CPU kernels'. A weight problem
+        # alone is asked with a single row, so nothing large is computed if torch accepts.
+        x = input if bad_shape else input[(0,) * (input.dim() - k)]
+        shells = [_cpu_shell(t) for t in (x, *affine)]
         raise_like_torch(
-            torch_fn,
+            lambda *_meta: torch_fn(shells[0], dims, *shells[1:], eps),
             args,
             ours=f"{fn}: expected input of shape (*, {', '.join(map(str, dims))}) and weight/bias "
             f"of shape {dims}, got input of shape {tuple(input.shape)}",

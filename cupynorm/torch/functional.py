@@ -141,6 +141,12 @@ def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
     return _row_norm_add_mul_fwd(x, y, eps)[0]
 
 
+def _default_rms_eps(x: Tensor) -> float:
+    """``eps=None`` of rms_norm, as torch: the machine epsilon of the type it computes in
+    (float32 for half-precision input, not the input's own type; float64 for float64)."""
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+
+
 def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, Tensor | None]:
     args = (x, residual, weight, bias, ndim, eps, rms)
     if _traced(x):
@@ -439,8 +445,8 @@ def rms_norm(
         input: tensor of shape :math:`(*, \text{normalized\_shape})`.
         normalized_shape: the trailing dimensions normalized over (an int or a sequence).
         weight: scale :math:`\gamma` of shape ``normalized_shape``, or None.
-        eps: added to the mean square. Default: None, the machine epsilon of the input's dtype
-            (``torch.finfo(input.dtype).eps``), as torch.
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of the type
+            the norm computes in (float32; float64 for float64 input).
 
     Shape:
         - Input: :math:`(*, \text{normalized\_shape})`
@@ -458,7 +464,7 @@ def rms_norm(
         "rms_norm", F.rms_norm, input, None, normalized_shape, weight, None, eps
     )
     if eps is None:
-        eps = torch.finfo(input.dtype).eps
+        eps = _default_rms_eps(input)
     return _apply_row_norm(input, None, weight, None, len(dims), eps, True)[0]
 
 
@@ -529,5 +535,5 @@ def add_rms_norm(
         "add_rms_norm", F.rms_norm, x, residual, normalized_shape, weight, None, eps
     )
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = _default_rms_eps(x)
     return _apply_row_norm(x, residual, weight, None, len(dims), eps, True)

@@ -345,7 +345,8 @@ class RMSNorm(torch.nn.RMSNorm):
 
     Args:
         normalized_shape: the trailing dimensions normalized over (an int or a sequence)
-        eps: added to the mean square. Default: None, the machine epsilon of the input's dtype
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of float32
+            (float64 for float64 input)
         elementwise_affine: learnable ``weight`` (init 1). Default: ``True``
         device, dtype: of the parameters.
 
