@@ -399,3 +399,14 @@ def test_row_norm_calls_record_and_replay(launches):  # noqa: F811
     _ops.row_norm_bwd(dy, None, x, torch.rand(4), torch.rand(4), w, 24, (True, True, True))
     assert len(_program._PROGRAMS) == 2
     assert all(isinstance(p, _program._Program) for p in _program._PROGRAMS.values())
+
+
+def test_bench_add_rms_norm_modules_agree_and_keep_the_sum(kernels):
+    from cupynorm.bench import models
+
+    classes = models.row_norm_module_classes()
+    eager, fused = classes["AddRMSNorm"](16), classes["AddRMSNormCupynorm"](16)
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    torch.testing.assert_close(fused(x, r), eager(x, r))
+    torch.testing.assert_close(fused.sum, x + r)
+    torch.testing.assert_close(eager.sum, x + r)
