@@ -8,6 +8,11 @@
 //   mean = sum_i x_i / L,  var = sum_i (x_i - mean)^2 / L (biased),  rstd = 1 / sqrt(var + eps)
 //   AFFINE epilogue:  y_i = (x_i - mean) * (rstd * weight[c]) + bias[c]
 //   ADD_MUL epilogue: y_i = ((x_i - mean) * rstd + r_i) * r_i   (the seed-002 tail, r = other)
+//   ROW epilogue (LayerNorm / RMSNorm over the last dims, weight and bias per position i of the
+//     row): y_i = (x_i - mean) * rstd * weight[i] + bias[i]; with a residual, x_i is first
+//     replaced by s_i = x_i + residual_i rounded to the input's type (s is written out: the
+//     residual stream), as flash-attn's and Liger's fused add + norm do.
+//   RMS statistic: mean = 0, var = sum_i x_i^2 / L (the mean square), same rstd.
 //
 // Mapping: the segment is split into `team` slices of slice_len elements, one CTA each. Each CTA
 // copies its slice into shared memory with cp.async and computes the slice's exact two-pass
@@ -25,6 +30,10 @@
 
 #define EPILOGUE_AFFINE 0
 #define EPILOGUE_ADD_MUL 1
+#define EPILOGUE_ROW 2
+
+#define STAT_MEAN_VAR 0
+#define STAT_RMS 1
 
 // ---- teams: CTAs sharing one segment -----------------------------------------------------------
 // This CTA's (segment, rank): from the start-order ticket when team > 1, else from blockIdx.
@@ -73,18 +82,23 @@ __device__ __forceinline__ void slice_load_wait() {
 // Exact two-pass statistics of a slice in shared memory (packs read from shared memory), relative
 // to the segment's first value K: every CTA of a team uses the same K, so means stay small numbers
 // with all their digits and data of mean 1e4 keeps the variance to ~1e-7 (benchmarks/NOTES.md).
-template <int V>
+// STAT_RMS keeps no mean: (n, 0, sum x^2), which the team's Chan merge adds up unchanged (the
+// means it shifts by are all 0); shift is 0 then.
+template <int V, int STAT>
 __device__ __forceinline__ Stats slice_stats(const scalar_t* xs, int n, acc_t shift,
                                              acc_t* scratch) {
     const Pack<V>* packs = reinterpret_cast<const Pack<V>*>(xs);
-    acc_t s = 0;
-    for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
-        const Pack<V> v = packs[p];
+    acc_t slice_mean = 0;
+    if (STAT == STAT_MEAN_VAR) {
+        acc_t s = 0;
+        for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
+            const Pack<V> v = packs[p];
 #pragma unroll
-        for (int j = 0; j < V; ++j) s += to_acc(v.v[j]) - shift;
+            for (int j = 0; j < V; ++j) s += to_acc(v.v[j]) - shift;
+        }
+        s = block_sum(s, scratch);
+        slice_mean = n > 0 ? s / acc_t(n) : acc_t(0);
     }
-    s = block_sum(s, scratch);
-    const acc_t slice_mean = n > 0 ? s / acc_t(n) : acc_t(0);
     acc_t q = 0;
     for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
         const Pack<V> v = packs[p];
@@ -96,6 +110,23 @@ __device__ __forceinline__ Stats slice_stats(const scalar_t* xs, int n, acc_t sh
     }
     q = block_sum(q, scratch);
     return Stats{acc_t(n), slice_mean, q};
+}
+
+// s = x + residual (rounded to scalar_t) over a slice held in shared memory, in place, also
+// written to sum_out. Each thread touches the packs it loaded (and later reduces).
+template <int V>
+__device__ __forceinline__ void slice_add_residual(scalar_t* xs,
+                                                   const scalar_t* __restrict__ residual,
+                                                   scalar_t* __restrict__ sum_out, int64 base,
+                                                   int n) {
+    for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
+        Pack<V> v = *reinterpret_cast<const Pack<V>*>(xs + p * V);
+        const Pack<V> r = load_pack<V>(residual + base, p);
+#pragma unroll
+        for (int j = 0; j < V; ++j) v.v[j] = from_acc<scalar_t>(to_acc(v.v[j]) + to_acc(r.v[j]));
+        *reinterpret_cast<Pack<V>*>(xs + p * V) = v;
+        store_pack<V>(sum_out + base, p, v);
+    }
 }
 
 // After the team has published: its triples merged in rank order (every CTA gets the same bits),
@@ -148,6 +179,14 @@ __device__ __forceinline__ void slice_write(
                 const acc_t r = to_acc(rv.v[j]);
                 out.v[j] = from_acc<scalar_t>(((to_acc(xv.v[j]) - mean) * rstd + r) * r);
             }
+        } else if (EPILOGUE == EPILOGUE_ROW) {
+            const int pos = start + p * V;  // weight and bias are indexed by position in the row
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t w = weight != nullptr ? to_acc(weight[pos + j]) : acc_t(1);
+                const acc_t b = bias != nullptr ? to_acc(bias[pos + j]) : acc_t(0);
+                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd * w + b);
+            }
         } else {
             // one division per pack; a pack within one channel shares its (a, b)
             const int pos = start + p * V;
@@ -178,10 +217,11 @@ __device__ __forceinline__ void slice_write(
     }
 }
 
-// One slice per CTA: load, statistics, exchange (team > 1), write.
-template <int V, int EPILOGUE>
+// One slice per CTA: load, [residual add,] statistics, exchange (team > 1), write.
+template <int V, int EPILOGUE, int STAT = STAT_MEAN_VAR>
 __device__ __forceinline__ void segment_norm_fwd(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
     int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
@@ -194,10 +234,20 @@ __device__ __forceinline__ void segment_norm_fwd(
     team_place(team, tickets, seg, rank);
     const int start = rank * slice_len;
     const int n_local = max(0, min(slice_len, seg_len - start));
-    slice_load<V>(xs, x, seg * static_cast<int64>(seg_len) + start, n_local);
-    const acc_t shift = to_acc(x[seg * static_cast<int64>(seg_len)]);  // loads with the slice
+    const int64 seg_base = seg * static_cast<int64>(seg_len);
+    slice_load<V>(xs, x, seg_base + start, n_local);
+    acc_t shift = 0;  // loads with the slice
+    if (STAT == STAT_MEAN_VAR) {
+        shift = to_acc(x[seg_base]);
+        if (residual != nullptr)  // the first value of the sum, rounded as the sum is
+            shift = to_acc(from_acc<scalar_t>(shift + to_acc(residual[seg_base])));
+    }
     slice_load_wait();
-    Stats st = slice_stats<V>(xs, n_local, shift, scratch);
+    if (residual != nullptr) {
+        slice_add_residual<V>(xs, residual, sum_out, seg_base + start, n_local);
+        __syncthreads();
+    }
+    Stats st = slice_stats<V, STAT>(xs, n_local, shift, scratch);
     if (team > 1) {
         if (threadIdx.x == 0) {
             const acc_t mine[3] = {st.n, st.mean, st.m2};
@@ -220,13 +270,14 @@ extern "C" __global__ void segment_norm_fwd_affine(
     int groups, acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,
     int vectorized) {
     if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
-                                               slice_len, chan_len, chans_per_group, groups, eps,
-                                               team, tickets, partials);
+        segment_norm_fwd<VEC, EPILOGUE_AFFINE>(x, nullptr, nullptr, nullptr, y, weight, bias, mean,
+                                               rstd, var, seg_len, slice_len, chan_len,
+                                               chans_per_group, groups, eps, team, tickets,
+                                               partials);
     else
-        segment_norm_fwd<1, EPILOGUE_AFFINE>(x, nullptr, y, weight, bias, mean, rstd, var, seg_len,
-                                             slice_len, chan_len, chans_per_group, groups, eps,
-                                             team, tickets, partials);
+        segment_norm_fwd<1, EPILOGUE_AFFINE>(x, nullptr, nullptr, nullptr, y, weight, bias, mean,
+                                             rstd, var, seg_len, slice_len, chan_len,
+                                             chans_per_group, groups, eps, team, tickets, partials);
 }
 
 extern "C" __global__ void segment_norm_fwd_add_mul(
@@ -234,13 +285,13 @@ extern "C" __global__ void segment_norm_fwd_add_mul(
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int seg_len, int slice_len, acc_t eps,
     int team, int* __restrict__ tickets, acc_t* __restrict__ partials, int vectorized) {
     if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_ADD_MUL>(x, other, y, nullptr, nullptr, mean, rstd, nullptr,
-                                                seg_len, slice_len, seg_len, 1, 1, eps, team,
-                                                tickets, partials);
+        segment_norm_fwd<VEC, EPILOGUE_ADD_MUL>(x, nullptr, nullptr, other, y, nullptr, nullptr,
+                                                mean, rstd, nullptr, seg_len, slice_len, seg_len,
+                                                1, 1, eps, team, tickets, partials);
     else
-        segment_norm_fwd<1, EPILOGUE_ADD_MUL>(x, other, y, nullptr, nullptr, mean, rstd, nullptr,
-                                              seg_len, slice_len, seg_len, 1, 1, eps, team,
-                                              tickets, partials);
+        segment_norm_fwd<1, EPILOGUE_ADD_MUL>(x, nullptr, nullptr, other, y, nullptr, nullptr,
+                                              mean, rstd, nullptr, seg_len, slice_len, seg_len, 1,
+                                              1, eps, team, tickets, partials);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -419,4 +470,291 @@ extern "C" __global__ void segment_norm_bwd_instance(
     else
         segment_bwd<1>(x, dy, weight, mean, rstd, dx, sums, seg_len, slice_len, channels, team,
                        tickets, partials);
+}
+
+// ================================================================================================
+// Row norms: LayerNorm and RMSNorm over the last L = row_len elements of each row, weight and
+// bias indexed by position in the row, optionally after a residual add s = x + residual (s is
+// written out and normalized).
+//
+// Forward, rows a team holds on chip: segment_norm_fwd with the ROW epilogue (one read, one
+// write): segment_norm_fwd_layer / segment_norm_fwd_rms. Longer rows: the strided rows statistics
+// (strided_norm.cu), segment_norm_rms_rstd for RMS, then segment_norm_apply_rows.
+//
+// Backward, with g_i = weight[i] * dy_i, xhat_i = (x_i - mean) * rstd (RMS: mean = 0) and <.> the
+// mean over the row:
+//   LayerNorm: dx_i = rstd * (g_i - <g> - xhat_i * <g xhat>)
+//   RMSNorm:   dx_i = rstd * (g_i - xhat_i * <g xhat>)
+//   dweight[i] = sum over rows of dy_i * xhat_i,  dbias[i] = sum over rows of dy_i
+// With a residual, x is the sum s and the incoming gradient of s is added to dx (the gradient of
+// both x and residual). Passes, all deterministic (fixed orders, no atomics):
+//   segment_norm_bwd_rows_sums   per (row, tile): the partial sums (sum g, sum g * xhat)
+//   segment_norm_bwd_rows_merge  per row: the tiles' sums added in tile order (tiles > 1 only)
+//   segment_norm_bwd_rows_dx     per (column tile, group of rows): dx, and fp32 partial rows of
+//                                dweight / dbias over the group's rows (kept in registers)
+//   segment_norm_bwd_rows_params column sums of those partial rows, in group order
+// ================================================================================================
+template <int V, int STAT>
+__device__ __forceinline__ void row_norm_fwd(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
+    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials) {
+    segment_norm_fwd<V, EPILOGUE_ROW, STAT>(x, residual, sum_out, nullptr, y, weight, bias, mean,
+                                            rstd, nullptr, row_len, slice_len, row_len, 1, 1, eps,
+                                            team, tickets, partials);
+}
+
+// residual, sum_out: both null (no residual add) or both set.
+extern "C" __global__ void segment_norm_fwd_layer(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
+    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials, int vectorized) {
+    if (vectorized)
+        row_norm_fwd<VEC, STAT_MEAN_VAR>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
+                                         slice_len, eps, team, tickets, partials);
+    else
+        row_norm_fwd<1, STAT_MEAN_VAR>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
+                                       slice_len, eps, team, tickets, partials);
+}
+
+// bias: null (RMSNorm has none), kept for the shared argument list.
+extern "C" __global__ void segment_norm_fwd_rms(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
+    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials, int vectorized) {
+    if (vectorized)
+        row_norm_fwd<VEC, STAT_RMS>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
+                                    slice_len, eps, team, tickets, partials);
+    else
+        row_norm_fwd<1, STAT_RMS>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
+                                  slice_len, eps, team, tickets, partials);
+}
+
+// RMS of rows too long for a team, from the strided passes' mean and biased variance:
+// mean square = var + mean^2 (two non-negative terms: no cancellation).
+extern "C" __global__ void segment_norm_rms_rstd(const acc_t* __restrict__ mean,
+                                                 const acc_t* __restrict__ var,
+                                                 acc_t* __restrict__ rstd, int64 rows, acc_t eps) {
+    const int64 r = blockIdx.x * static_cast<int64>(blockDim.x) + threadIdx.x;
+    if (r < rows) rstd[r] = rsqrt_acc(var[r] + mean[r] * mean[r] + eps);
+}
+
+// y = (x - mean) * rstd * weight[i] + bias[i] for rows too long for a team. Grid: rows * tiles,
+// tile_len elements per CTA (a multiple of V). mean null: RMS.
+template <int V>
+__device__ __forceinline__ void rows_apply(const scalar_t* __restrict__ x, scalar_t* __restrict__ y,
+                                           const param_t* __restrict__ weight,
+                                           const param_t* __restrict__ bias,
+                                           const acc_t* __restrict__ mean,
+                                           const acc_t* __restrict__ rstd, int64 row_len,
+                                           int64 tiles, int64 tile_len) {
+    const int64 row = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+    const int64 base = row * row_len;
+    const acc_t m = mean != nullptr ? mean[row] : acc_t(0), rs = rstd[row];
+    const int64 last = min(row_len, (tile + 1) * tile_len) / V;
+    for (int64 p = tile * tile_len / V + threadIdx.x; p < last; p += blockDim.x) {
+        const Pack<V> xv = load_pack<V>(x + base, p);
+        Pack<V> out;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const int64 i = p * V + j;
+            const acc_t w = weight != nullptr ? to_acc(weight[i]) : acc_t(1);
+            const acc_t b = bias != nullptr ? to_acc(bias[i]) : acc_t(0);
+            out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - m) * rs * w + b);
+        }
+        store_pack<V>(y + base, p, out);
+    }
+}
+
+// vectorized: pointers 16-byte aligned, row_len and tile_len multiples of VEC.
+extern "C" __global__ void segment_norm_apply_rows(
+    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, const acc_t* __restrict__ mean,
+    const acc_t* __restrict__ rstd, int64 row_len, int64 tiles, int64 tile_len, int vectorized) {
+    if (vectorized)
+        rows_apply<VEC>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
+    else
+        rows_apply<1>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+// Per (row, tile): sums[2 * blockIdx.x + {0, 1}] = (sum g, sum g * xhat) over the tile.
+template <int V>
+__device__ __forceinline__ void rows_bwd_sums(const scalar_t* __restrict__ x,
+                                              const scalar_t* __restrict__ dy,
+                                              const param_t* __restrict__ weight,
+                                              const acc_t* __restrict__ mean,
+                                              const acc_t* __restrict__ rstd,
+                                              acc_t* __restrict__ sums, int64 row_len, int64 tiles,
+                                              int64 tile_len) {
+    __shared__ acc_t scratch[33];
+    const int64 row = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+    const int64 base = row * row_len;
+    const acc_t m = mean != nullptr ? mean[row] : acc_t(0), rs = rstd[row];
+    const int64 last = min(row_len, (tile + 1) * tile_len) / V;
+    acc_t sg = 0, sgx = 0;
+    for (int64 p = tile * tile_len / V + threadIdx.x; p < last; p += blockDim.x) {
+        const Pack<V> xv = load_pack<V>(x + base, p), dv = load_pack<V>(dy + base, p);
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t w = weight != nullptr ? to_acc(weight[p * V + j]) : acc_t(1);
+            const acc_t g = w * to_acc(dv.v[j]);
+            sg += g;
+            sgx += g * ((to_acc(xv.v[j]) - m) * rs);
+        }
+    }
+    sg = block_sum(sg, scratch);
+    sgx = block_sum(sgx, scratch);
+    if (threadIdx.x == 0) {
+        sums[2 * static_cast<int64>(blockIdx.x)] = sg;
+        sums[2 * static_cast<int64>(blockIdx.x) + 1] = sgx;
+    }
+}
+
+extern "C" __global__ void segment_norm_bwd_rows_sums(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const param_t* __restrict__ weight, const acc_t* __restrict__ mean,
+    const acc_t* __restrict__ rstd, acc_t* __restrict__ sums, int64 row_len, int64 tiles,
+    int64 tile_len, int vectorized) {
+    if (vectorized)
+        rows_bwd_sums<VEC>(x, dy, weight, mean, rstd, sums, row_len, tiles, tile_len);
+    else
+        rows_bwd_sums<1>(x, dy, weight, mean, rstd, sums, row_len, tiles, tile_len);
+}
+
+// One warp per row: row_sums[2 r + k] = sum over tiles t of tile_sums[2 (r tiles + t) + k].
+extern "C" __global__ void segment_norm_bwd_rows_merge(const acc_t* __restrict__ tile_sums,
+                                                       acc_t* __restrict__ row_sums, int64 rows,
+                                                       int64 tiles) {
+    const int64 row = blockIdx.x * static_cast<int64>(blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;  // the whole warp: warp_sum below sees all 32 lanes
+    acc_t a = 0, b = 0;
+    for (int64 t = lane; t < tiles; t += 32) {
+        a += tile_sums[2 * (row * tiles + t)];
+        b += tile_sums[2 * (row * tiles + t) + 1];
+    }
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) {
+        row_sums[2 * row] = a;
+        row_sums[2 * row + 1] = b;
+    }
+}
+
+// Packs of a column tile each thread of segment_norm_bwd_rows_dx owns (the host's
+// ROWS_BWD_PACKS_PER_THREAD): their weight and dweight / dbias partials stay in registers.
+#define ROWS_BWD_PACKS 2
+
+// Grid: col_tiles * groups; CTA (group, column tile) walks rows [group * rows_per_group, ...)
+// over columns [tile * blockDim.x * ROWS_BWD_PACKS * V, ...). dx null: weight gradients only.
+// dsum: the incoming gradient of the residual sum, or null.
+template <int V>
+__device__ __forceinline__ void rows_bwd_dx(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
+    const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,
+    const acc_t* __restrict__ row_sums, scalar_t* __restrict__ dx,
+    acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int64 row_len,
+    int64 col_tiles, int64 rows_per_group) {
+    const int64 col_tile = blockIdx.x % col_tiles, group = blockIdx.x / col_tiles;
+    const int64 packs = row_len / V;
+    int64 pk[ROWS_BWD_PACKS];
+    acc_t w[ROWS_BWD_PACKS][V], dw[ROWS_BWD_PACKS][V], db[ROWS_BWD_PACKS][V];
+#pragma unroll
+    for (int k = 0; k < ROWS_BWD_PACKS; ++k) {
+        pk[k] = (col_tile * ROWS_BWD_PACKS + k) * blockDim.x + threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            w[k][j] = weight != nullptr && pk[k] < packs ? to_acc(weight[pk[k] * V + j]) : acc_t(1);
+            dw[k][j] = db[k][j] = acc_t(0);
+        }
+    }
+    const acc_t L = acc_t(row_len);
+    const int64 last = min(rows, (group + 1) * rows_per_group);
+    for (int64 r = group * rows_per_group; r < last; ++r) {
+        const int64 base = r * row_len;
+        const acc_t m = mean != nullptr ? mean[r] : acc_t(0), rs = rstd[r];
+        acc_t mean_g = 0, mean_gx = 0;
+        if (dx != nullptr) {
+            mean_g = mean != nullptr ? row_sums[2 * r] / L : acc_t(0);  // RMS: no mean term
+            mean_gx = row_sums[2 * r + 1] / L;
+        }
+#pragma unroll
+        for (int k = 0; k < ROWS_BWD_PACKS; ++k) {
+            if (pk[k] >= packs) continue;
+            const Pack<V> xv = load_pack<V>(x + base, pk[k]), dv = load_pack<V>(dy + base, pk[k]);
+            Pack<V> sv, out;
+            if (dsum != nullptr) sv = load_pack<V>(dsum + base, pk[k]);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t xhat = (to_acc(xv.v[j]) - m) * rs, d = to_acc(dv.v[j]);
+                dw[k][j] += d * xhat;
+                db[k][j] += d;
+                acc_t v = rs * (w[k][j] * d - mean_g - xhat * mean_gx);
+                if (dsum != nullptr) v += to_acc(sv.v[j]);
+                out.v[j] = from_acc<scalar_t>(v);
+            }
+            if (dx != nullptr) store_pack<V>(dx + base, pk[k], out);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < ROWS_BWD_PACKS; ++k) {
+        if (pk[k] >= packs) continue;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const int64 i = group * row_len + pk[k] * V + j;
+            if (dweight_part != nullptr) dweight_part[i] = dw[k][j];
+            if (dbias_part != nullptr) dbias_part[i] = db[k][j];
+        }
+    }
+}
+
+// vectorized: pointers 16-byte aligned and row_len a multiple of VEC.
+extern "C" __global__ void segment_norm_bwd_rows_dx(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
+    const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,
+    const acc_t* __restrict__ row_sums, scalar_t* __restrict__ dx,
+    acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int64 row_len,
+    int64 col_tiles, int64 rows_per_group, int vectorized) {
+    if (vectorized)
+        rows_bwd_dx<VEC>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part, dbias_part,
+                         rows, row_len, col_tiles, rows_per_group);
+    else
+        rows_bwd_dx<1>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part, dbias_part,
+                       rows, row_len, col_tiles, rows_per_group);
+}
+
+__device__ __forceinline__ void store_grad(void* out, int64 i, acc_t v, int as_param) {
+    if (as_param)
+        static_cast<param_t*>(out)[i] = from_acc<param_t>(v);
+    else
+        static_cast<acc_t*>(out)[i] = v;
+}
+
+// dweight[i] / dbias[i] = sum over groups g (in order) of the partial rows' [g, i]; written as
+// param_t (as_param) or acc_t (no weight: the accumulator's type). Null parts are skipped.
+extern "C" __global__ void segment_norm_bwd_rows_params(const acc_t* __restrict__ dweight_part,
+                                                        const acc_t* __restrict__ dbias_part,
+                                                        void* dweight, void* dbias, int64 groups,
+                                                        int64 row_len, int as_param) {
+    const int64 i = blockIdx.x * static_cast<int64>(blockDim.x) + threadIdx.x;
+    if (i >= row_len) return;
+    if (dweight_part != nullptr) {
+        acc_t s = 0;
+        for (int64 g = 0; g < groups; ++g) s += dweight_part[g * row_len + i];
+        store_grad(dweight, i, s, as_param);
+    }
+    if (dbias_part != nullptr) {
+        acc_t s = 0;
+        for (int64 g = 0; g < groups; ++g) s += dbias_part[g * row_len + i];
+        store_grad(dbias, i, s, as_param);
+    }
 }

@@ -10,7 +10,16 @@ neither CuPy nor torch; kernels compile on first use, per device and element typ
 """
 
 from .errors import InvalidInputError, InvalidTypeError
-from .functional import batch_norm, group_norm, instance_norm, row_norm_add_mul
+from .functional import (
+    add_layer_norm,
+    add_rms_norm,
+    batch_norm,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    rms_norm,
+    row_norm_add_mul,
+)
 
 __version__ = "0.1.0"
 
@@ -18,8 +27,12 @@ __all__ = [
     "InvalidInputError",
     "InvalidTypeError",
     "__version__",
+    "add_layer_norm",
+    "add_rms_norm",
     "batch_norm",
     "group_norm",
     "instance_norm",
+    "layer_norm",
+    "rms_norm",
     "row_norm_add_mul",
 ]

@@ -28,7 +28,12 @@ CTYPES: dict[str, str] = {
 }
 
 #: the kernel source files; each compiles for every element type
-SOURCE_FILES: tuple[str, ...] = ("segment_norm.cu", "strided_norm.cu", "single_launch_norm.cu")
+SOURCE_FILES: tuple[str, ...] = (
+    "segment_norm.cu",
+    "strided_norm.cu",
+    "single_launch_norm.cu",
+    "fused_norm.cu",
+)
 #: the source whose kernels are launched cooperatively (every CTA resident: grid barriers inside)
 COOPERATIVE_SOURCE = "single_launch_norm.cu"
 #: the pseudo-source of a launch that zeroes memory on the stream (cudaMemsetAsync)

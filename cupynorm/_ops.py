@@ -412,3 +412,152 @@ def row_norm_add_mul_bwd(dout: Any, x: Any, other: Any, mean: Any, rstd: Any) ->
         (True, False, False),
     )[0]
     return dx.reshape(x.shape), dother
+
+
+# ---- row norms: LayerNorm and RMSNorm over the last dims, optionally after a residual add -------
+@_programmed
+def row_norm_fwd(
+    x: Any,
+    residual: Any,
+    weight: Any,
+    bias: Any,
+    row_len: int,
+    eps: float,
+    rms: bool,
+    *,
+    want_stats: bool = True,
+) -> tuple:
+    """(y, sum, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over rows of ``row_len``.
+
+    x (and residual): contiguous, numel a multiple of row_len. With a residual, the normalized
+    rows are s = x + residual (rounded to x's dtype) and ``sum`` is s, else None. weight/bias:
+    row_len values (by position in the row) or None. mean, rstd: (rows,) in the accumulator's
+    dtype; mean is None for RMSNorm, both None without ``want_stats`` (inference).
+    """
+    call = _Call(x, weight if weight is not None else bias)
+    bk = call.bk
+    x = bk.contiguous(x)
+    if residual is not None:
+        residual = bk.contiguous(residual)
+    D = row_len
+    rows = _plan.prod(tuple(x.shape)) // D if D else 0
+    y = bk.empty_strided_like(x)
+    total = bk.empty_strided_like(x) if residual is not None else None
+    need_mean = want_stats and not rms
+    mean = call.stats((rows,), x) if need_mean else None
+    rstd = call.stats((rows,), x) if want_stats else None
+    if rows * D == 0:
+        for stat in (mean, rstd):
+            if stat is not None:
+                bk.fill_nan(stat)
+        return y, total, mean, rstd
+    kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
+    plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, residual, total, y), call.info)
+    if plan is not None:
+        # fmt: off
+        _segment_launch(call, plan, rows, x, kernel, (
+            call.ptr(x), call.ptr(residual), call.ptr(total), call.ptr(y), call.ptr(weight),
+            call.ptr(bias), call.ptr(mean), call.ptr(rstd), np.int32(D),
+            np.int32(plan.slice_len), _scalar(call.acc, eps)))
+        # fmt: on
+        return y, total, mean, rstd
+    # rows too long for a team: the sum by the framework, strided statistics, then the apply pass
+    source = x
+    if residual is not None:
+        call.opaque()
+        bk.copy_into(total, x + residual)
+        source = total
+    row_mean = mean if mean is not None else call.stats((rows,), x)
+    row_rstd = rstd if rstd is not None else call.stats((rows,), x)
+    var = call.stats((rows,), x) if rms else None
+    partials = _stats_rows(call, source, rows, 1, D, 0, D)
+    _finalize(call, source, partials, rows, D, eps, row_mean, row_rstd, var)
+    if rms:
+        # fmt: off
+        call.launch(_SEGMENT, "segment_norm_rms_rstd", -(-rows // 256), (256,), (
+            call.ptr(row_mean), call.ptr(var), call.ptr(row_rstd), np.int64(rows),
+            _scalar(call.acc, eps)))
+        # fmt: on
+    tiles = _plan.plan_rows_tiles(D, call.itemsize, call.aligned(source, y))
+    # fmt: off
+    call.launch(_SEGMENT, "segment_norm_apply_rows", rows * tiles.tiles, (tiles.threads,), (
+        call.ptr(source), call.ptr(y), call.ptr(weight), call.ptr(bias),
+        call.ptr(None if rms else row_mean), call.ptr(row_rstd), np.int64(D),
+        np.int64(tiles.tiles), np.int64(tiles.tile_len), np.int32(tiles.vectorized)))
+    # fmt: on
+    return y, total, mean, rstd
+
+
+@_programmed
+def row_norm_bwd(
+    dy: Any,
+    dsum: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    row_len: int,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm.
+
+    x: the normalized input (the sum s with a residual); dsum: the incoming gradient of s, added
+    to dx, or None. dx is then the gradient of both x and residual. dweight and dbias come in the
+    weight's dtype (the accumulator's when weight is None).
+    """
+    call = _Call(x, weight)
+    bk = call.bk
+    x, dy = bk.contiguous(x), bk.contiguous(dy)
+    if dsum is not None:
+        dsum = bk.contiguous(dsum)
+    D = row_len
+    rows = _plan.prod(tuple(x.shape)) // D if D else 0
+    want_dx, want_dw, want_db = needs_input_grad
+    dx = bk.empty_strided_like(x) if want_dx else None
+    dweight = call.grads((D,), weight, x) if want_dw else None
+    dbias = call.grads((D,), weight, x) if want_db else None
+    if rows * D == 0:
+        for grad in (dweight, dbias):
+            if grad is not None:
+                bk.fill_zero(grad)
+        return dx, dweight, dbias
+    aligned = call.aligned(x, dy, dsum, dx)
+    row_sums = None
+    if want_dx:
+        tiles = _plan.plan_rows_tiles(D, call.itemsize, aligned)
+        tile_sums = call.stats((rows * tiles.tiles * 2,), x)
+        # fmt: off
+        call.launch(_SEGMENT, "segment_norm_bwd_rows_sums", rows * tiles.tiles, (tiles.threads,), (
+            call.ptr(x), call.ptr(dy), call.ptr(weight), call.ptr(mean), call.ptr(rstd),
+            call.ptr(tile_sums), np.int64(D), np.int64(tiles.tiles), np.int64(tiles.tile_len),
+            np.int32(tiles.vectorized)))
+        # fmt: on
+        row_sums = tile_sums
+        if tiles.tiles > 1:
+            row_sums = call.stats((rows * 2,), x)
+            warps = _plan.FINALIZE_WARPS
+            # fmt: off
+            call.launch(_SEGMENT, "segment_norm_bwd_rows_merge", -(-rows // warps), (32 * warps,),
+                        (call.ptr(tile_sums), call.ptr(row_sums), np.int64(rows),
+                         np.int64(tiles.tiles)))
+            # fmt: on
+    most = call.threads(_SEGMENT, "segment_norm_bwd_rows_dx", _plan.BLOCK_THREADS)
+    plan = _plan.plan_rows_backward(rows, D, call.itemsize, aligned, call.info, most)
+    dweight_part = call.stats((plan.groups * D,), x) if want_dw else None
+    dbias_part = call.stats((plan.groups * D,), x) if want_db else None
+    if want_dx or want_dw or want_db:
+        # fmt: off
+        call.launch(_SEGMENT, "segment_norm_bwd_rows_dx", plan.col_tiles * plan.groups,
+                    (plan.threads,), (
+            call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
+            call.ptr(rstd), call.ptr(row_sums), call.ptr(dx), call.ptr(dweight_part),
+            call.ptr(dbias_part), np.int64(rows), np.int64(D), np.int64(plan.col_tiles),
+            np.int64(plan.rows_per_group), np.int32(plan.vectorized)))
+        # fmt: on
+    if want_dw or want_db:
+        # fmt: off
+        call.launch(_SEGMENT, "segment_norm_bwd_rows_params", -(-D // 256), (256,), (
+            call.ptr(dweight_part), call.ptr(dbias_part), call.ptr(dweight), call.ptr(dbias),
+            np.int64(plan.groups), np.int64(D), np.int32(weight is not None)))
+        # fmt: on
+    return dx, dweight, dbias

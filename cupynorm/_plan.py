@@ -246,3 +246,70 @@ def finalize_grid(num_sets: int) -> tuple[int, int]:
 
 def prod(values: tuple[int, ...]) -> int:
     return math.prod(values)
+
+
+# ---- row norms (LayerNorm / RMSNorm over the last dims) ------------------------------------------
+#: Packs each thread of the long-row apply pass and of the backward sums pass moves per CTA tile.
+ROWS_TILE_PACKS_PER_THREAD = 8
+#: Packs of a column tile each thread of segment_norm_bwd_rows_dx owns (the kernel's
+#: ROWS_BWD_PACKS): their weight and dweight/dbias partials live in registers.
+ROWS_BWD_PACKS_PER_THREAD = 2
+#: CTAs per SM the backward dx pass aims at; each CTA keeps one fp32 partial row of dweight and
+#: dbias over its group of rows, so more CTAs mean more partial rows for the final column sums.
+#: Not yet measured on a GPU: two per SM keeps the partials at 2 * SMs rows.
+ROWS_BWD_CTAS_PER_SM = 2
+
+
+@dataclass(frozen=True)
+class RowsTilePlan:
+    """Rows cut into tiles of ``tile_len`` elements, one CTA each (apply, backward sums)."""
+
+    tile_len: int
+    tiles: int
+    threads: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_rows_tiles(row_len: int, itemsize: int, aligned: bool) -> RowsTilePlan:
+    vec = vec_width(itemsize)
+    vectorized = aligned and row_len % vec == 0
+    unit = vec if vectorized else 1
+    packs = -(-row_len // unit)
+    threads = min(BLOCK_THREADS, max(32, round_up(-(-packs // ROWS_TILE_PACKS_PER_THREAD), 32)))
+    tile_len = threads * unit * ROWS_TILE_PACKS_PER_THREAD
+    return RowsTilePlan(tile_len, -(-row_len // tile_len), threads, vectorized)
+
+
+@dataclass(frozen=True)
+class RowsBackwardPlan:
+    """segment_norm_bwd_rows_dx: column tiles x groups of rows (one partial row per group)."""
+
+    col_tiles: int
+    groups: int
+    rows_per_group: int
+    threads: int
+    vectorized: bool
+
+
+@functools.cache
+def plan_rows_backward(
+    rows: int,
+    row_len: int,
+    itemsize: int,
+    aligned: bool,
+    device: DeviceInfo,
+    max_threads: int = BLOCK_THREADS,
+) -> RowsBackwardPlan:
+    """``max_threads``: what the kernel's registers allow (a multiple of 32)."""
+    vec = vec_width(itemsize)
+    vectorized = aligned and row_len % vec == 0
+    unit = vec if vectorized else 1
+    packs = -(-row_len // unit)
+    wanted = max(32, round_up(-(-packs // ROWS_BWD_PACKS_PER_THREAD), 32))
+    threads = min(BLOCK_THREADS, max_threads, wanted)
+    col_tiles = -(-packs // (threads * ROWS_BWD_PACKS_PER_THREAD))
+    groups = max(1, min(rows, device.sm_count * ROWS_BWD_CTAS_PER_SM // col_tiles))
+    rows_per_group = -(-rows // groups)
+    groups = -(-rows // rows_per_group)
+    return RowsBackwardPlan(col_tiles, groups, rows_per_group, threads, vectorized)

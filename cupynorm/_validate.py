@@ -66,8 +66,17 @@ def check_array(x: Any, what: str = "input") -> None:
         raise InvalidTypeError(f"{what} must have dtype {_SUPPORTED}, got {_dtype_name(x)}")
 
 
-def check_param(p: Any, x: Any, what: str, num_channels: int, *, any_float: bool = False) -> None:
-    """A per-channel vector beside input x: same framework and device, shape (C,), float dtype."""
+def check_param(
+    p: Any,
+    x: Any,
+    what: str,
+    num_channels: int,
+    *,
+    any_float: bool = False,
+    shape: tuple[int, ...] | None = None,
+) -> None:
+    """A per-channel vector beside input x: same framework and device, shape (C,) (or ``shape``),
+    float dtype."""
     if p is None:
         return
     if _kind(p) != _kind(x):
@@ -87,7 +96,12 @@ def check_param(p: Any, x: Any, what: str, num_channels: int, *, any_float: bool
             f"{what} must have the input's dtype ({_dtype_name(x)}) or float32, "
             f"got {_dtype_name(p)}"
         )
-    if tuple(p.shape) != (num_channels,):
+    if shape is not None:
+        if tuple(p.shape) != shape:
+            raise InvalidInputError(
+                f"expected {what} of shape {shape} (normalized_shape), got shape {tuple(p.shape)}"
+            )
+    elif tuple(p.shape) != (num_channels,):
         raise InvalidInputError(
             f"expected {what} of shape ({num_channels},) (one value per channel of an input of "
             f"shape {tuple(x.shape)}), got shape {tuple(p.shape)}"
@@ -229,3 +243,79 @@ def check_row_norm_add_mul(x: Any, y: Any, eps: Any) -> None:
             f"x and y must have the same dtype, got {_dtype_name(x)} and {_dtype_name(y)}"
         )
     _check_number(eps, "eps")
+
+
+def normalized_shape_tuple(normalized_shape: Any) -> tuple[int, ...]:
+    """``normalized_shape`` as torch takes it (an int or a sequence of ints) as a tuple."""
+    if isinstance(normalized_shape, bool):
+        raise InvalidTypeError("normalized_shape must be an int or a sequence of ints, got bool")
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    try:
+        dims = tuple(normalized_shape)
+    except TypeError:
+        raise InvalidTypeError(
+            "normalized_shape must be an int or a sequence of ints, "
+            f"got {type(normalized_shape).__name__}"
+        ) from None
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise InvalidTypeError(f"normalized_shape must hold ints, got {dims}")
+    return dims
+
+
+def check_row_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: tuple[int, ...],
+    weight: Any,
+    bias: Any,
+    eps: Any,
+) -> None:
+    """LayerNorm / RMSNorm over the trailing ``normalized_shape`` of x (and of a residual)."""
+    check_array(x)
+    if residual is not None:
+        check_array(residual, "residual")
+        if _kind(residual) != _kind(x):
+            raise InvalidTypeError(
+                "residual must be the same kind of array as the input "
+                f"({type(x).__name__}), got {type(residual).__name__}"
+            )
+        if _device(residual) != _device(x):
+            raise InvalidInputError(
+                f"residual is on {_describe_device(_device(residual))} but the input is on "
+                f"{_describe_device(_device(x))}"
+            )
+        if tuple(residual.shape) != tuple(x.shape) or _dtype_name(residual) != _dtype_name(x):
+            raise InvalidInputError(
+                "residual must have the input's shape and dtype, got "
+                f"{tuple(residual.shape)} {_dtype_name(residual)} beside "
+                f"{tuple(x.shape)} {_dtype_name(x)}"
+            )
+    k = len(normalized_shape)
+    if k == 0 or any(d <= 0 for d in normalized_shape):
+        raise InvalidInputError(
+            f"normalized_shape must be a non-empty shape of positive sizes, got {normalized_shape}"
+        )
+    if x.ndim < k or tuple(x.shape[x.ndim - k :]) != tuple(normalized_shape):
+        raise InvalidInputError(
+            f"expected an input whose last dimensions are normalized_shape={normalized_shape}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        check_param(p, x, name, _prod(normalized_shape), shape=tuple(normalized_shape))
+    if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
+        raise InvalidTypeError(
+            f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
+            f"{_dtype_name(bias)}"
+        )
+    if eps is not None:
+        _check_number(eps, "eps")
+
+
+def _prod(dims: tuple[int, ...]) -> int:
+    size = 1
+    for d in dims:
+        size *= d
+    return size

@@ -11,8 +11,18 @@ from typing import Any
 
 from . import _ops, _validate
 from ._interop import is_torch_tensor
+from ._validate import _dtype_name
 
-__all__ = ["batch_norm", "group_norm", "instance_norm", "row_norm_add_mul"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "batch_norm",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
+    "rms_norm",
+    "row_norm_add_mul",
+]
 
 
 def _is_foreign(x: Any) -> bool:
@@ -225,3 +235,144 @@ def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
 
         return cn_torch.row_norm_add_mul(x, y, eps)
     return _ops.row_norm_add_mul_fwd(x, y, eps)[0]
+
+
+# ---- LayerNorm and RMSNorm over the last dims, with or without a residual add -----------------
+def _machine_eps(x: Any) -> float:
+    """``eps=None`` of rms_norm: as torch, the machine epsilon of the type the norm computes in
+    (float32; float64 for float64 input), not of a half-precision input's own type."""
+    import numpy
+
+    return float(numpy.finfo(numpy.float64 if _dtype_name(x) == "float64" else numpy.float32).eps)
+
+
+def _row_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: Any,
+    weight: Any,
+    bias: Any,
+    eps: float | None,
+    rms: bool,
+) -> tuple[Any, Any]:
+    """(normalized output, sum or None): the shared path of the four row-norm functions."""
+    if _is_foreign(x):
+        r, w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (residual, weight, bias))
+        y, total = _row_norm(_to_cupy(x), r, normalized_shape, w, b, eps, rms)
+        return _from_cupy(y, x), (None if total is None else _from_cupy(total, x))
+    dims = _validate.normalized_shape_tuple(normalized_shape)
+    _validate.check_row_norm(x, residual, dims, weight, bias, eps)
+    if eps is None:
+        eps = _machine_eps(x)
+    if is_torch_tensor(x) and _wants_grad(x, residual, weight, bias):
+        from . import torch as cn_torch
+
+        if residual is None:
+            fn = cn_torch.rms_norm if rms else cn_torch.layer_norm
+            args = (weight,) if rms else (weight, bias)
+            return fn(x, dims, *args, eps=eps), None
+        if rms:
+            return cn_torch.add_rms_norm(x, residual, dims, weight, eps=eps)
+        return cn_torch.add_layer_norm(x, residual, dims, weight, bias, eps=eps)
+    row_len = 1
+    for d in dims:
+        row_len *= d
+    y, total, _, _ = _ops.row_norm_fwd(
+        x, residual, weight, bias, row_len, eps, rms, want_stats=False
+    )
+    return y, total
+
+
+def layer_norm(
+    input: Any,
+    normalized_shape: Any,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+) -> Any:
+    r"""Layer normalization over the trailing ``normalized_shape`` dimensions of each row.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    with mean and biased variance over the ``prod(normalized_shape)`` trailing values of each row
+    (float32 accumulation; float64 for float64 input) and :math:`\gamma`, :math:`\beta` of shape
+    ``normalized_shape`` (element by element).
+
+    Args:
+        input: (\*, \*normalized_shape) array, float32/float64/float16/bfloat16 (non-contiguous
+            input is copied to contiguous first).
+        normalized_shape: an int or a sequence of ints, the trailing dimensions normalized over.
+        weight, bias: optional arrays of shape ``normalized_shape``, the input's dtype or float32.
+        eps: added to the variance.
+
+    Returns:
+        The normalized array, contiguous, of the input's type, shape and dtype.
+
+    Example:
+        >>> x = cupy.random.randn(8, 128, 768, dtype=cupy.float32)
+        >>> y = cupynorm.layer_norm(x, 768)
+    """
+    return _row_norm(input, None, normalized_shape, weight, bias, eps, False)[0]
+
+
+def rms_norm(
+    input: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None
+) -> Any:
+    r"""Root-mean-square normalization over the trailing ``normalized_shape`` dimensions.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot \gamma
+
+    Args:
+        input: (\*, \*normalized_shape) array.
+        normalized_shape: an int or a sequence of ints, the trailing dimensions normalized over.
+        weight: optional array of shape ``normalized_shape``, the input's dtype or float32.
+        eps: added to the mean square; None (default) means the machine epsilon of the type the
+            norm computes in (float32; float64 for float64 input), as
+            :func:`torch.nn.functional.rms_norm`.
+
+    Returns:
+        The normalized array, contiguous, of the input's type, shape and dtype.
+    """
+    return _row_norm(input, None, normalized_shape, weight, None, eps, True)[0]
+
+
+def add_layer_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: Any,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+) -> tuple[Any, Any]:
+    r"""The pre-norm step of a transformer block in one kernel: ``s = x + residual`` (in the
+    input's dtype), then :func:`layer_norm` of ``s``.
+
+    Args:
+        x, residual: arrays of the same shape (\*, \*normalized_shape) and dtype.
+        normalized_shape, weight, bias, eps: as :func:`layer_norm`.
+
+    Returns:
+        ``(layer_norm(s), s)``: the normalized output and the sum (the new residual stream).
+    """
+    return _row_norm(x, residual, normalized_shape, weight, bias, eps, False)
+
+
+def add_rms_norm(
+    x: Any,
+    residual: Any,
+    normalized_shape: Any,
+    weight: Any = None,
+    eps: float | None = None,
+) -> tuple[Any, Any]:
+    r"""``s = x + residual`` (in the input's dtype), then :func:`rms_norm` of ``s``, in one kernel.
+
+    Args:
+        x, residual: arrays of the same shape (\*, \*normalized_shape) and dtype.
+        normalized_shape, weight, eps: as :func:`rms_norm`.
+
+    Returns:
+        ``(rms_norm(s), s)``: the normalized output and the sum (the new residual stream).
+    """
+    return _row_norm(x, residual, normalized_shape, weight, None, eps, True)

@@ -34,6 +34,12 @@ EXPECTED_WORKLOADS = [
     "instancenorm2d_affine_fwdbwd_fp32",
     "batchnorm2d_fwdbwd_fp32",
     "groupnorm32_fwdbwd_fp16",
+    "layernorm_bf16",
+    "rmsnorm_bf16",
+    "layernorm_fwdbwd_bf16",
+    "rmsnorm_fwdbwd_bf16",
+    "layernorm_kb40_fp32",
+    "add_rmsnorm_bf16",
     "seed002_model_fp32",
     "module_overhead",
 ]
@@ -51,6 +57,10 @@ def test_registry_names_and_goals() -> None:
     assert goals["batchnorm2d_train_fp32"] == 3.1
     assert goals["row_norm_add_mul_fp32"] == 0.030
     assert goals["groupnorm32_fwdbwd_fp16"] == 0.07
+    assert goals["layernorm_bf16"] == goals["rmsnorm_bf16"] == 0.032
+    assert goals["layernorm_fwdbwd_bf16"] == goals["rmsnorm_fwdbwd_bf16"] == 0.085
+    assert goals["layernorm_kb40_fp32"] == 0.14
+    assert goals["add_rmsnorm_bf16"] == 0.066
     for name in ("seed002_model_fp32", "module_overhead"):
         assert goals[name] is None
         assert bench.WORKLOADS_BY_NAME[name].goal_text == "<= eager"

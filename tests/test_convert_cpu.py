@@ -110,7 +110,7 @@ def test_replace_norms_state_dict_and_device_dtype():
 
 def test_replace_norms_errors():
     with pytest.raises(ValueError, match="include takes classes among"):
-        cnt.replace_norms(nn.Sequential(), include=[nn.LayerNorm])
+        cnt.replace_norms(nn.Sequential(), include=[nn.LocalResponseNorm])
     with pytest.raises(ValueError, match="exclude takes classes among"):
         cnt.replace_norms(nn.Sequential(), exclude=[nn.SyncBatchNorm])
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):

@@ -181,3 +181,34 @@ def strip_norms(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(child, kinds):
                 setattr(parent, name, nn.Identity())
     return model
+
+
+_ROW_NORM_CLASSES: dict[str, type] = {}
+
+
+def row_norm_module_classes() -> dict[str, type]:
+    """AddRMSNorm (eager: ``s = x + residual``, ``rms_norm(s)``) and AddRMSNormCupynorm (the
+    fused kernel). Both return the normalized output and keep the sum in ``self.sum`` (the
+    residual stream a model would carry on), so the sum is written by every implementation,
+    torch.compile included."""
+    if _ROW_NORM_CLASSES:
+        return _ROW_NORM_CLASSES
+    import torch.nn.functional as F
+    from torch import nn
+
+    import cupynorm.torch as cnt
+
+    class AddRMSNorm(nn.RMSNorm):
+        def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            self.sum = x + residual
+            return F.rms_norm(self.sum, self.normalized_shape, self.weight, self.eps)
+
+    class AddRMSNormCupynorm(nn.RMSNorm):
+        def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            out, self.sum = cnt.add_rms_norm(
+                x, residual, self.normalized_shape, self.weight, self.eps
+            )
+            return out
+
+    _ROW_NORM_CLASSES.update(AddRMSNorm=AddRMSNorm, AddRMSNormCupynorm=AddRMSNormCupynorm)
+    return _ROW_NORM_CLASSES

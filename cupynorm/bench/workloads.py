@@ -41,7 +41,8 @@ class ModuleSpec:
         if self.namespace == "bench":
             from . import models
 
-            cls = models.seed002_module_classes()[self.class_name]
+            classes = {**models.seed002_module_classes(), **models.row_norm_module_classes()}
+            cls = classes[self.class_name]
         else:
             cls = getattr(importlib.import_module(self.namespace), self.class_name)
         return cls(*self.args, **dict(self.kwargs))
@@ -101,6 +102,8 @@ _SEED002_ROWS = (1024, 8192)
 _FWDBWD_NCHW = (32, 64, 256, 256)
 _SD_GROUPNORM = (16, 320, 64, 64)
 _FWDBWD_TRAFFIC = "fwd: read x, write y; bwd: read x, read dy, write dx (5 passes)"
+_LLM_ROWS = (8192, 4096)  # tokens x hidden: a transformer's pre-norm input
+_KB40 = (16, 64, 256, 256)  # KernelBench level 1 problem 40: LayerNorm((64, 256, 256))
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
@@ -193,6 +196,63 @@ WORKLOADS: tuple[Workload, ...] = (
         tensor_passes=5,
         traffic=_FWDBWD_TRAFFIC,
         goal_ms=0.07,
+    ),
+    Workload(
+        name="layernorm_bf16",
+        title="LayerNorm(4096) bf16 8192x4096 fwd",
+        **_same_module("LayerNorm", 4096),
+        input_shapes=(_LLM_ROWS,),
+        dtype="bfloat16",
+        goal_ms=0.032,
+    ),
+    Workload(
+        name="rmsnorm_bf16",
+        title="RMSNorm(4096) bf16 8192x4096 fwd",
+        **_same_module("RMSNorm", 4096),
+        input_shapes=(_LLM_ROWS,),
+        dtype="bfloat16",
+        goal_ms=0.032,
+    ),
+    Workload(
+        name="layernorm_fwdbwd_bf16",
+        title="LayerNorm(4096) bf16 8192x4096 fwd+bwd",
+        **_same_module("LayerNorm", 4096),
+        input_shapes=(_LLM_ROWS,),
+        dtype="bfloat16",
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.085,
+    ),
+    Workload(
+        name="rmsnorm_fwdbwd_bf16",
+        title="RMSNorm(4096) bf16 8192x4096 fwd+bwd",
+        **_same_module("RMSNorm", 4096),
+        input_shapes=(_LLM_ROWS,),
+        dtype="bfloat16",
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.085,
+    ),
+    Workload(
+        name="layernorm_kb40_fp32",
+        title="KernelBench L1-40: LayerNorm((64, 256, 256)) fp32 16x64x256x256 fwd",
+        **_same_module("LayerNorm", (64, 256, 256)),
+        input_shapes=(_KB40,),
+        quick_input_shapes=((4, 64, 256, 256),),
+        goal_ms=0.14,
+    ),
+    Workload(
+        name="add_rmsnorm_bf16",
+        title="residual add + RMSNorm(4096) bf16 8192x4096 fwd (output and sum written)",
+        eager=ModuleSpec("bench", "AddRMSNorm", (4096,)),
+        cupynorm=ModuleSpec("bench", "AddRMSNormCupynorm", (4096,)),
+        input_shapes=(_LLM_ROWS, _LLM_ROWS),
+        dtype="bfloat16",
+        tensor_passes=4,
+        traffic="read x, read residual, write out, write sum (4 passes)",
+        goal_ms=0.066,
     ),
     Workload(
         name="seed002_model_fp32",

@@ -15,8 +15,18 @@ Example::
 """
 
 from .convert import replace_norms
+from .functional import (
+    add_layer_norm,
+    add_rms_norm,
+    batch_norm,
+    batch_norm_act,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    rms_norm,
+    row_norm_add_mul,
+)
 from .fuse import fuse
-from .functional import batch_norm, batch_norm_act, group_norm, instance_norm, row_norm_add_mul
 from .modules import (
     BatchNorm1d,
     BatchNorm2d,
@@ -26,6 +36,8 @@ from .modules import (
     InstanceNorm1d,
     InstanceNorm2d,
     InstanceNorm3d,
+    LayerNorm,
+    RMSNorm,
     RowNormAddMul,
 )
 
@@ -38,12 +50,18 @@ __all__ = [
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
+    "LayerNorm",
+    "RMSNorm",
     "RowNormAddMul",
+    "add_layer_norm",
+    "add_rms_norm",
     "batch_norm",
     "batch_norm_act",
     "fuse",
     "group_norm",
     "instance_norm",
+    "layer_norm",
     "replace_norms",
+    "rms_norm",
     "row_norm_add_mul",
 ]

@@ -22,6 +22,8 @@ from ._kernels import (
     _instance_norm_fwd,
     _row_norm_add_mul_bwd,
     _row_norm_add_mul_fwd,
+    _row_norm_bwd,
+    _row_norm_fwd,
 )
 
 
@@ -82,6 +84,47 @@ def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, y, mean, rstd)
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
+
+
+def _row_norm_setup(ctx, inputs, output) -> None:
+    # inputs: (x, residual, weight, bias, ndim, eps, rms); output: (y, sum, mean, rstd)
+    x, residual, weight, _bias, ndim, _eps, _rms = inputs
+    _y, total, mean, rstd = output
+    # the rows that were normalized: the sum when there is a residual
+    ctx.save_for_backward(x if residual is None else total, weight, mean, rstd)
+    ctx.ndim = ndim
+    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+    ctx.set_materialize_grads(False)
+
+
+def _make_row_norm_backward(bwd):
+    """Backward of the row norm op: the gradient of the normalized rows (plus that of the sum,
+    when the sum is an output) goes to x and to the residual alike."""
+
+    def backward(ctx, dy, dsum, _dmean, _drstd):
+        needs = ctx.needs_input_grad
+        want_x = needs[0] or needs[1]
+        normalized, weight, mean, rstd = ctx.saved_tensors
+        dx = dweight = dbias = None
+        if dy is not None:
+            mask = [want_x, needs[2], needs[3]]
+            if any(mask):
+                dx, dweight, dbias = bwd(
+                    dy, dsum if want_x else None, normalized, mean, rstd, weight, ctx.ndim, mask
+                )
+        elif want_x:
+            dx = dsum
+        return (
+            dx if needs[0] else None,
+            dx if needs[1] else None,
+            dweight,
+            dbias,
+            None,
+            None,
+            None,
+        )
+
+    return backward
 
 
 def _make_group_norm_backward(bwd, n_inputs: int, affine_at: int):
@@ -213,3 +256,14 @@ class _RowNormAddMulFunction(torch.autograd.Function):
     backward = staticmethod(
         once_differentiable(_make_row_norm_add_mul_backward(_row_norm_add_mul_bwd))
     )
+
+
+class _RowNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, ndim, eps, rms):
+        inputs = (x, residual, weight, bias, ndim, eps, rms)
+        output = _row_norm_fwd(*inputs)
+        _row_norm_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(once_differentiable(_make_row_norm_backward(_row_norm_bwd)))

@@ -214,3 +214,66 @@ def check_row_norm_add_mul(x: Tensor, y: Tensor, eps: float) -> None:
         raise InvalidTypeError(
             f"row_norm_add_mul: expected x and y of the same dtype, got {x.dtype} and {y.dtype}"
         )
+
+
+def _cpu_shell(t: Tensor | None) -> Tensor | None:
+    """A CPU tensor of t's shape and dtype that holds one element (all strides 0)."""
+    return None if t is None else torch.zeros((), dtype=t.dtype).expand(t.shape)
+
+
+def normalized_dims(normalized_shape: Any) -> tuple[int, ...]:
+    """``normalized_shape`` as torch takes it (an int, a list or a torch.Size) as a tuple."""
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(normalized_shape)
+
+
+def check_row_norm(
+    fn: str,
+    torch_fn: Callable[..., Any],
+    input: Tensor,
+    residual: Tensor | None,
+    normalized_shape: Any,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+) -> tuple[int, ...]:
+    """Checks of layer_norm / rms_norm (``torch_fn``) and their residual forms; returns the
+    normalized shape as a tuple. ``bias`` is None for rms_norm."""
+    dims = normalized_dims(normalized_shape)
+    affine = (weight,) if torch_fn is F.rms_norm else (weight, bias)
+    args = (input, dims, *affine, eps)
+    k = len(dims)
+    bad_shape = k == 0 or input.dim() < k or tuple(input.shape[input.dim() - k :]) != dims
+    bad_params = any(t is not None and tuple(t.shape) != dims for t in (weight, bias))
+    if bad_shape or bad_params:
+        # asked on CPU stand-ins (zero-stride, no memory), not on meta: the meta functions of
+        # these norms word their errors differently from the CUDA/CPU kernels'. A weight problem
+        # alone is asked with a single row, so nothing large is computed if torch accepts.
+        x = input if bad_shape else input[(0,) * (input.dim() - k)]
+        shells = [_cpu_shell(t) for t in (x, *affine)]
+        raise_like_torch(
+            lambda *_meta: torch_fn(shells[0], dims, *shells[1:], eps),
+            args,
+            ours=f"{fn}: expected input of shape (*, {', '.join(map(str, dims))}) and weight/bias "
+            f"of shape {dims}, got input of shape {tuple(input.shape)}",
+        )
+    if residual is not None:
+        check_tensor(fn, "residual", residual)
+        if residual.shape != input.shape or residual.dtype != input.dtype:
+            raise InvalidInputError(
+                f"{fn}: expected residual of the input's shape and dtype "
+                f"({tuple(input.shape)}, {input.dtype}), got {tuple(residual.shape)}, "
+                f"{residual.dtype}"
+            )
+    check_kernel_inputs(fn, input, residual, weight, bias)
+    params = [t for t in (weight, bias) if t is not None]
+    dtypes = {t.dtype for t in params}
+    if len(dtypes) > 1 or any(d not in (input.dtype, torch.float32) for d in dtypes):
+        raise_like_torch(
+            torch_fn,
+            args,
+            ours=f"{fn}: expected weight and bias of one dtype, the input's ({input.dtype}) or "
+            f"float32, got {', '.join(str(t.dtype) for t in params)}",
+        )
+    return dims

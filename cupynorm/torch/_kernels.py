@@ -32,6 +32,8 @@ from ._reference import (
     _param_dtype,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
+    _row_norm_bwd_reference,
+    _row_norm_fwd_reference,
     _stat_dtype,
 )
 
@@ -366,4 +368,85 @@ def _row_norm_add_mul_bwd_fake(dout, x, y, mean, rstd):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(y, memory_format=torch.contiguous_format),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# row norms: LayerNorm / RMSNorm over the trailing ``ndim`` dims of x, optionally after a
+# residual add (the math is in _reference.py). Outputs are contiguous; mean/rstd have the shape
+# of the leading dims (mean is None for RMSNorm); dweight/dbias have the normalized shape.
+# ---------------------------------------------------------------------------------------------
+def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(leading dims, normalized dims) of x."""
+    return tuple(x.shape[: x.dim() - ndim]), tuple(x.shape[x.dim() - ndim :])
+
+
+def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=True):
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    batch, row = _split(x, ndim)
+    y, total, mean, rstd = _host().row_norm_fwd(
+        x, residual, _vec(weight), _vec(bias), math.prod(row), eps, rms, want_stats=want_stats
+    )
+    mean = None if mean is None else mean.reshape(batch)
+    rstd = None if rstd is None else rstd.reshape(batch)
+    return y, total, mean, rstd
+
+
+def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+    _batch, row = _split(x, ndim)
+    dsum = None if dsum is None else dsum.contiguous()
+    mean = None if mean is None else mean.contiguous()
+    dx, dweight, dbias = _host().row_norm_bwd(
+        dy.contiguous(),
+        dsum,
+        x.contiguous(),
+        mean,
+        rstd.contiguous(),
+        _vec(weight),
+        math.prod(row),
+        tuple(output_mask),
+    )
+    pdtype = _param_dtype(x, weight)
+    dx = dx.reshape(x.shape) if output_mask[0] else None
+    dweight = dweight.reshape(row).to(pdtype) if output_mask[1] else None
+    dbias = dbias.reshape(row).to(pdtype) if output_mask[2] else None
+    return dx, dweight, dbias
+
+
+def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms):
+    if x.is_cuda:
+        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms)
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)
+
+
+def _row_norm_output(x, residual, weight, bias, ndim, eps, rms):
+    """(y, sum) alone (no autograd)."""
+    if x.is_cuda:
+        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=False)[:2]
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)[:2]
+
+
+def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+    if x.is_cuda:
+        return _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
+    return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
+
+
+def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms):
+    batch, _row = _split(x, ndim)
+    rstd = x.new_empty(batch, dtype=_stat_dtype(x.dtype))
+    mean = None if rms else torch.empty_like(rstd)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    total = None if residual is None else torch.empty_like(y)
+    return y, total, mean, rstd
+
+
+def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+    _batch, row = _split(x, ndim)
+    pdtype = _param_dtype(x, weight)
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None,
+        x.new_empty(row, dtype=pdtype) if output_mask[1] else None,
+        x.new_empty(row, dtype=pdtype) if output_mask[2] else None,
     )

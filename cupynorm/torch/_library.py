@@ -16,6 +16,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
                        y, bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
+    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms)
+        -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
+    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask)
+        -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
 
 Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
 input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
@@ -38,7 +42,9 @@ from ._autograd import (
     _make_batch_norm_backward,
     _make_group_norm_backward,
     _make_row_norm_add_mul_backward,
+    _make_row_norm_backward,
     _row_norm_add_mul_setup,
+    _row_norm_setup,
 )
 from ._kernels import (
     _batch_norm_act_bwd_cuda,
@@ -59,6 +65,10 @@ from ._kernels import (
     _row_norm_add_mul_bwd_fake,
     _row_norm_add_mul_fwd_cuda,
     _row_norm_add_mul_fwd_fake,
+    _row_norm_bwd_cuda,
+    _row_norm_bwd_fake,
+    _row_norm_fwd_cuda,
+    _row_norm_fwd_fake,
 )
 from ._reference import (
     _batch_norm_act_bwd_reference,
@@ -69,6 +79,8 @@ from ._reference import (
     _instance_norm_fwd_reference,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
+    _row_norm_bwd_reference,
+    _row_norm_fwd_reference,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +128,14 @@ _SCHEMAS = {
         "row_norm_add_mul_bwd(Tensor dout, Tensor x, Tensor y, Tensor mean, Tensor rstd)"
         " -> (Tensor, Tensor)"
     ),
+    "row_norm_fwd": (
+        "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
+        " float eps, bool rms) -> (Tensor, Tensor?, Tensor?, Tensor)"
+    ),
+    "row_norm_bwd": (
+        "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
+        " Tensor? weight, int ndim, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+    ),
 }
 
 # name: (CUDA kernel, CPU kernel, fake kernel)
@@ -153,6 +173,8 @@ _KERNELS = {
         _row_norm_add_mul_bwd_reference,
         _row_norm_add_mul_bwd_fake,
     ),
+    "row_norm_fwd": (_row_norm_fwd_cuda, _row_norm_fwd_reference, _row_norm_fwd_fake),
+    "row_norm_bwd": (_row_norm_bwd_cuda, _row_norm_bwd_reference, _row_norm_bwd_fake),
 }
 
 for _name, _schema in _SCHEMAS.items():
@@ -172,6 +194,8 @@ batch_norm_act_fwd_op = _torch_ops.batch_norm_act_fwd.default
 batch_norm_act_bwd_op = _torch_ops.batch_norm_act_bwd.default
 row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
 row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
+row_norm_fwd_op = _torch_ops.row_norm_fwd.default
+row_norm_bwd_op = _torch_ops.row_norm_bwd.default
 
 torch.library.register_autograd(
     "cupynorm::group_norm_fwd",
@@ -201,5 +225,11 @@ torch.library.register_autograd(
     "cupynorm::row_norm_add_mul_fwd",
     _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
     setup_context=_row_norm_add_mul_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::row_norm_fwd",
+    _make_row_norm_backward(row_norm_bwd_op),
+    setup_context=_row_norm_setup,
     lib=_lib,
 )

@@ -236,3 +236,60 @@ def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
     )
     dy = d * (xhat + 2.0 * ys)
     return dx.to(x.dtype).contiguous(), dy.to(y.dtype).contiguous()
+
+
+# ---- row norms: LayerNorm / RMSNorm over the trailing ``ndim`` dims, optional residual add ----
+#   rows of D = prod(x.shape[-ndim:]) values; with a residual, x is first s = x + residual
+#   LayerNorm: mean, var (biased), rstd = 1 / sqrt(var + eps), xhat = (x - mean) * rstd
+#   RMSNorm:   mean = 0, rstd = 1 / sqrt(<x^2> + eps), xhat = x * rstd
+#   y = xhat * weight[i] + bias[i] (per position i of the row)
+#   backward, g = dy * weight, <.> the mean over the row:
+#     dx = rstd * (g - <g> - xhat * <g xhat>)   (RMSNorm: without <g>), plus dsum if given
+#     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
+def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
+    total = None
+    if residual is not None:
+        total = (x + residual).contiguous()
+        x = total
+    stat = _stat_dtype(x.dtype)
+    batch, row = x.shape[: x.dim() - ndim], x.shape[x.dim() - ndim :]
+    xs = x.to(stat).reshape(-1, math.prod(row))
+    if rms:
+        mean = None
+        rstd = torch.rsqrt(xs.square().mean(dim=1) + eps)
+        xhat = xs * rstd[:, None]
+    else:
+        var, mean = torch.var_mean(xs, dim=1, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        xhat = (xs - mean[:, None]) * rstd[:, None]
+        mean = mean.reshape(batch)
+    if weight is not None:
+        xhat = xhat * weight.to(stat).reshape(1, -1)
+    if bias is not None:
+        xhat = xhat + bias.to(stat).reshape(1, -1)
+    y = xhat.reshape(x.shape).to(x.dtype).contiguous()
+    return y, total, mean, rstd.reshape(batch)
+
+
+def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+    stat = _stat_dtype(x.dtype)
+    row = x.shape[x.dim() - ndim :]
+    D = math.prod(row)
+    xs, dys = x.to(stat).reshape(-1, D), dy.to(stat).reshape(-1, D)
+    rs = rstd.reshape(-1, 1)
+    xhat = (xs if mean is None else xs - mean.reshape(-1, 1)) * rs
+    dx = dweight = dbias = None
+    if output_mask[0]:
+        g = dys if weight is None else dys * weight.to(stat).reshape(1, -1)
+        dxs = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
+        if mean is not None:
+            dxs = dxs - g.mean(dim=1, keepdim=True)
+        dxs = rs * dxs
+        if dsum is not None:
+            dxs = dxs + dsum.to(stat).reshape(-1, D)
+        dx = dxs.reshape(x.shape).to(x.dtype).contiguous()
+    if output_mask[1]:
+        dweight = (dys * xhat).sum(dim=0).reshape(row).to(_param_dtype(x, weight))
+    if output_mask[2]:
+        dbias = dys.sum(dim=0).reshape(row).to(_param_dtype(x, weight))
+    return dx, dweight, dbias

@@ -43,6 +43,12 @@ _REPLACEMENTS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
     torch.nn.BatchNorm2d: modules.BatchNorm2d,
     torch.nn.BatchNorm3d: modules.BatchNorm3d,
 }
+# norms over the trailing dims of each row (their probes are shaped by normalized_shape)
+_ROW_NORMS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+    torch.nn.LayerNorm: modules.LayerNorm,
+    torch.nn.RMSNorm: modules.RMSNorm,
+}
+_REPLACEMENTS.update(_ROW_NORMS)
 
 
 _OURS = tuple(set(_REPLACEMENTS.values()))
@@ -85,7 +91,6 @@ def _computes_like(module: torch.nn.Module, base: type, tail: tuple[str, ...] = 
     too)."""
     if not tail and type(module).forward is base.forward:
         return True
-    channels = module.num_channels if base is torch.nn.GroupNorm else module.num_features
     param = next(module.parameters(), None)
     if param is None:
         param = next(module.buffers(), None)
@@ -94,7 +99,11 @@ def _computes_like(module: torch.nn.Module, base: type, tail: tuple[str, ...] = 
     if device.type == "meta":
         return False
     generator = torch.Generator(device=device).manual_seed(0)
-    shape = (2, channels, *_PROBE_SPATIAL[base])
+    if base in _ROW_NORMS:
+        shape = (2, 3, *module.normalized_shape)
+    else:
+        channels = module.num_channels if base is torch.nn.GroupNorm else module.num_features
+        shape = (2, channels, *_PROBE_SPATIAL[base])
     probe = torch.randn(shape, generator=generator, device=device, dtype=dtype)
     theirs, ours = copy.deepcopy(module), copy.deepcopy(module)
     try:
@@ -158,8 +167,9 @@ def replace_norms(
 ) -> torch.nn.Module:
     """Convert every torch.nn normalization submodule of ``model`` to cupynorm's, in place.
 
-    Modules of the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm`` and
-    ``BatchNorm1d/2d/3d`` become :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them
+    Modules of the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm``,
+    ``BatchNorm1d/2d/3d``, ``LayerNorm`` and ``RMSNorm`` become
+    :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them
     are converted when their ``forward`` computes the same, or the same followed by their ``drop``
     and ``act`` submodules (timm's norm-act layers; see the module docstring), and left alone
     with a warning otherwise; ``SyncBatchNorm`` (not a subclass of these) is left alone.
@@ -170,7 +180,7 @@ def replace_norms(
 
     Args:
         model: the model; ``model`` itself is converted too if it is a normalization module.
-        include: torch.nn classes to convert, with their subclasses (default: all seven).
+        include: torch.nn classes to convert, with their subclasses (default: all nine).
         exclude: torch.nn classes to leave alone (applied after ``include``).
 
     Returns:
@@ -178,7 +188,7 @@ def replace_norms(
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``include``/``exclude`` name a class other than the seven above.
+        ValueError: ``include``/``exclude`` name a class other than the nine above.
 
     Example::
 

@@ -30,7 +30,8 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
         print(f"{stmt:64s} {t.median * 1e6:7.1f} us")
 
 **Functional API** (:func:`group_norm`, :func:`instance_norm`, :func:`batch_norm`,
-:func:`row_norm_add_mul`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
+:func:`row_norm_add_mul`, :func:`layer_norm`, :func:`rms_norm`, :func:`add_layer_norm`,
+:func:`add_rms_norm`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
 on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
 other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
@@ -52,12 +53,14 @@ from ._autograd import (
     _GroupNormFunction,
     _InstanceNormFunction,
     _RowNormAddMulFunction,
+    _RowNormFunction,
 )
 from ._kernels import (
     _batch_norm_fwd,
     _group_norm_output,
     _instance_norm_fwd,
     _row_norm_add_mul_fwd,
+    _row_norm_output,
 )
 from ._library import (
     batch_norm_act_fwd_op,
@@ -65,9 +68,20 @@ from ._library import (
     group_norm_fwd_op,
     instance_norm_fwd_op,
     row_norm_add_mul_fwd_op,
+    row_norm_fwd_op,
 )
 
-__all__ = ["batch_norm", "batch_norm_act", "group_norm", "instance_norm", "row_norm_add_mul"]
+__all__ = [
+    "add_layer_norm",
+    "add_rms_norm",
+    "batch_norm",
+    "batch_norm_act",
+    "group_norm",
+    "instance_norm",
+    "layer_norm",
+    "rms_norm",
+    "row_norm_add_mul",
+]
 
 
 _is_compiling = torch.compiler.is_compiling
@@ -146,6 +160,23 @@ def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
     if _wants_grad(x, y, None):
         return _RowNormAddMulFunction.apply(x, y, eps)[0]
     return _row_norm_add_mul_fwd(x, y, eps)[0]
+
+
+def _default_rms_eps(x: Tensor) -> float:
+    """``eps=None`` of rms_norm, as torch: the machine epsilon of the type it computes in
+    (float32 for half-precision input, not the input's own type; float64 for float64)."""
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+
+
+def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, Tensor | None]:
+    args = (x, residual, weight, bias, ndim, eps, rms)
+    if _traced(x):
+        return row_norm_fwd_op(*args)[:2]
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias)
+    ):
+        return _RowNormFunction.apply(*args)[:2]
+    return _row_norm_output(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,3 +439,171 @@ def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
         return (xhat + y) * y
     _checks.check_kernel_inputs("row_norm_add_mul", x, y)
     return _apply_row_norm_add_mul(x, y, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm and RMSNorm over the last dims, alone or after a residual add
+# ---------------------------------------------------------------------------------------------
+def layer_norm(
+    input: Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Layer normalization (:func:`torch.nn.functional.layer_norm`) on cupynorm's kernels.
+
+    Each row of the trailing ``normalized_shape`` dimensions (``D`` values) is normalized:
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    with the biased variance, accumulated in float32 (float64 for float64 input), and
+    :math:`\gamma` (``weight``), :math:`\beta` (``bias``) of shape ``normalized_shape``. Under
+    CUDA autocast the computation runs in float32, as torch's ``layer_norm`` does.
+
+    Args:
+        input: tensor of shape :math:`(*, \text{normalized\_shape})`; CUDA tensors (float16,
+            bfloat16, float32, float64) run on cupynorm's kernels (non-contiguous input is copied
+            first), tensors on other devices through :func:`torch.nn.functional.layer_norm`.
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence).
+        weight: scale :math:`\gamma` of shape ``normalized_shape`` (the input's dtype or
+            float32), or None.
+        bias: shift :math:`\beta` of shape ``normalized_shape``, or None.
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(*, \text{normalized\_shape})`
+        - Output: same shape, contiguous
+
+    Example::
+
+        >>> x = torch.randn(8, 128, 768, device="cuda", requires_grad=True)
+        >>> y = cupynorm.torch.layer_norm(x, (768,))
+        >>> y.sum().backward()
+    """
+    _checks.check_tensor("layer_norm", "input", input)
+    if not _use_kernels(input):
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+    dims = _checks.check_row_norm(
+        "layer_norm", F.layer_norm, input, None, normalized_shape, weight, bias, eps
+    )
+    if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
+        input = input.float()
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+    return _apply_row_norm(input, None, weight, bias, len(dims), eps, False)[0]
+
+
+def rms_norm(
+    input: Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    r"""Root-mean-square normalization (:func:`torch.nn.functional.rms_norm`) on cupynorm's
+    kernels.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} * \gamma
+
+    over the trailing ``normalized_shape`` dimensions, accumulated in float32 (float64 for float64
+    input). Under CUDA autocast the call goes to torch's own ``rms_norm`` (whose dtype rules there
+    are torch's).
+
+    Args:
+        input: tensor of shape :math:`(*, \text{normalized\_shape})`.
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence).
+        weight: scale :math:`\gamma` of shape ``normalized_shape``, or None.
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of the type
+            the norm computes in (float32; float64 for float64 input).
+
+    Shape:
+        - Input: :math:`(*, \text{normalized\_shape})`
+        - Output: same shape, contiguous
+
+    Example::
+
+        >>> x = torch.randn(4, 2048, 4096, device="cuda", dtype=torch.bfloat16)
+        >>> y = cupynorm.torch.rms_norm(x, 4096, torch.ones(4096, device="cuda"))
+    """
+    _checks.check_tensor("rms_norm", "input", input)
+    if not _use_kernels(input) or torch.is_autocast_enabled():
+        return F.rms_norm(input, normalized_shape, weight, eps)
+    dims = _checks.check_row_norm(
+        "rms_norm", F.rms_norm, input, None, normalized_shape, weight, None, eps
+    )
+    if eps is None:
+        eps = _default_rms_eps(input)
+    return _apply_row_norm(input, None, weight, None, len(dims), eps, True)[0]
+
+
+def add_layer_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> tuple[Tensor, Tensor]:
+    r"""``s = x + residual``, then :func:`layer_norm` of ``s``, in one kernel on CUDA.
+
+    The pre-norm step of a transformer block, as flash-attn's and Liger's fused add + norm: the
+    sum is rounded to the input's dtype (it is the residual stream the next block adds to) and
+    normalized as :func:`layer_norm` does. Gradients reach ``x`` and ``residual`` alike (the
+    gradient of ``s`` through the norm, plus that of the returned ``s``).
+
+    Args:
+        x, residual: tensors of the same shape :math:`(*, \text{normalized\_shape})` and dtype.
+        normalized_shape, weight, bias, eps: as :func:`layer_norm`.
+
+    Returns:
+        ``(out, s)``: the normalized sum and the sum, both of x's shape, contiguous.
+
+    Example::
+
+        >>> out, h = cupynorm.torch.add_layer_norm(attn_out, h, 768, ln.weight, ln.bias)
+    """
+    _checks.check_tensor("add_layer_norm", "x", x)
+    _checks.check_tensor("add_layer_norm", "residual", residual)
+    if not _use_kernels(x) or torch.is_autocast_enabled():
+        total = x + residual
+        return layer_norm(total, normalized_shape, weight, bias, eps), total
+    dims = _checks.check_row_norm(
+        "add_layer_norm", F.layer_norm, x, residual, normalized_shape, weight, bias, eps
+    )
+    return _apply_row_norm(x, residual, weight, bias, len(dims), eps, False)
+
+
+def add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    normalized_shape: int | list[int] | torch.Size,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""``s = x + residual`` (in the input's dtype), then :func:`rms_norm` of ``s``, in one
+    kernel on CUDA; gradients reach ``x`` and ``residual`` alike.
+
+    Args:
+        x, residual: tensors of the same shape :math:`(*, \text{normalized\_shape})` and dtype.
+        normalized_shape, weight, eps: as :func:`rms_norm`.
+
+    Returns:
+        ``(out, s)``: the normalized sum and the sum, both of x's shape, contiguous.
+
+    Example::
+
+        >>> out, h = cupynorm.torch.add_rms_norm(mlp_out, h, 4096, norm.weight)
+    """
+    _checks.check_tensor("add_rms_norm", "x", x)
+    _checks.check_tensor("add_rms_norm", "residual", residual)
+    if not _use_kernels(x) or torch.is_autocast_enabled():
+        total = x + residual
+        return rms_norm(total, normalized_shape, weight, eps), total
+    dims = _checks.check_row_norm(
+        "add_rms_norm", F.rms_norm, x, residual, normalized_shape, weight, None, eps
+    )
+    if eps is None:
+        eps = _default_rms_eps(x)
+    return _apply_row_norm(x, residual, weight, None, len(dims), eps, True)

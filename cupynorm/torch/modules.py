@@ -27,6 +27,8 @@ from .functional import (
     batch_norm_act,
     group_norm,
     instance_norm,
+    layer_norm,
+    rms_norm,
     row_norm_add_mul,
 )
 
@@ -39,6 +41,8 @@ __all__ = [
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
+    "LayerNorm",
+    "RMSNorm",
     "RowNormAddMul",
 ]
 
@@ -348,3 +352,64 @@ class RowNormAddMul(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}"
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    r"""Layer normalization on cupynorm's kernels; a drop-in :class:`torch.nn.LayerNorm`.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    Mean and (biased) variance are taken over the trailing ``normalized_shape`` dimensions of
+    each row; :math:`\gamma`, :math:`\beta` have shape ``normalized_shape``.
+
+    Args:
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence)
+        eps: added to the variance for numerical stability. Default: 1e-5
+        elementwise_affine: learnable ``weight`` (init 1) and ``bias`` (init 0).
+            Default: ``True``
+        bias: learn ``bias`` (with ``elementwise_affine``). Default: ``True``
+        device, dtype: of the parameters.
+
+    Shape:
+        - Input: :math:`(*, \text{normalized\_shape})`
+        - Output: same shape
+
+    Example::
+
+        >>> m = cupynorm.torch.LayerNorm(768).cuda()
+        >>> y = m(torch.randn(8, 128, 768, device="cuda"))
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        return layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    r"""Root-mean-square normalization on cupynorm's kernels; a drop-in
+    :class:`torch.nn.RMSNorm`.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} * \gamma
+
+    over the trailing ``normalized_shape`` dimensions of each row.
+
+    Args:
+        normalized_shape: the trailing dimensions normalized over (an int or a sequence)
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of float32
+            (float64 for float64 input)
+        elementwise_affine: learnable ``weight`` (init 1). Default: ``True``
+        device, dtype: of the parameters.
+
+    Shape:
+        - Input: :math:`(*, \text{normalized\_shape})`
+        - Output: same shape
+
+    Example::
+
+        >>> m = cupynorm.torch.RMSNorm(4096, device="cuda", dtype=torch.bfloat16)
+        >>> y = m(torch.randn(4, 2048, 4096, device="cuda", dtype=torch.bfloat16))
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -1,0 +1,319 @@
+"""LayerNorm / RMSNorm and the fused residual-add forms on the GPU: forward and backward against a
+float64 reference on fresh random data (never zeros; the allocator poisoned with NaN first), every
+dtype, one-element / odd / unaligned / team-sized / longer-than-a-team rows, zero rows, offset
+data, float32 weights beside half-precision input, CuPy inputs, bitwise-reproducible gradients,
+torch.compile and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import cuda_available, poison_cupy_pool, poison_torch_allocator
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
+
+if cuda_available():
+    import torch
+    import torch.nn.functional as F
+
+    import cupynorm
+    import cupynorm.torch as cnt
+
+    DTYPES = {
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }
+
+# outputs of unit scale: a few roundings of the dtype, plus fp32 statistics over long rows
+TOL = {"float32": 3e-5, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
+GRAD_TOL = {"float32": 1e-4, "float64": 1e-9, "float16": 1e-2, "bfloat16": 6e-2}
+
+# (rows, row length): the strategy each exercises
+ROWS = {
+    "one_element": (5, 1),
+    "odd": (7, 3),
+    "short": (33, 100),
+    "unaligned_len": (9, 1001),
+    "llama": (6, 4096),
+    "one_cta": (3, 8192 + 8),
+    "team": (2, 300_000),  # 1.2 MB of fp32: a team of CTAs
+    "team_odd": (2, 300_001),
+}
+
+
+def rand(shape, dtype, offset=0.0, scale=1.0):
+    x = torch.randn(shape, device="cuda", dtype=torch.float64) * scale + offset
+    return x.to(DTYPES[dtype])
+
+
+def params(D, dtype, rms, affine=True, fp32_params=False):
+    if not affine:
+        return None, None
+    pdtype = "float32" if fp32_params else dtype
+    w = (torch.rand(D, device="cuda", dtype=torch.float64) + 0.5).to(DTYPES[pdtype])
+    b = None if rms else rand((D,), pdtype)
+    return w, b
+
+
+def reference(x, residual, w, b, rms, eps):
+    """(out, sum) in float64 from the input's values (the sum rounded to the input's dtype, as
+    the kernels and torch round it)."""
+    total = x if residual is None else x + residual
+    t, wd, bd = total.double(), None if w is None else w.double(), None if b is None else b.double()
+    D = w.numel() if w is not None else x.shape[-1]
+    if rms:
+        out = F.rms_norm(t, (D,), wd, eps)
+    else:
+        out = F.layer_norm(t, (D,), wd, bd, eps)
+    return out, (None if residual is None else total)
+
+
+def run(x, residual, w, b, rms, eps):
+    D = x.shape[-1]
+    if residual is None:
+        if rms:
+            return cnt.rms_norm(x, (D,), w, eps), None
+        return cnt.layer_norm(x, (D,), w, b, eps), None
+    if rms:
+        return cnt.add_rms_norm(x, residual, (D,), w, eps)
+    return cnt.add_layer_norm(x, residual, (D,), w, b, eps)
+
+
+def close(out, ref, tol):
+    assert out.dtype in DTYPES.values() and out.shape == ref.shape
+    assert not torch.isnan(out).any(), "NaN in output: an element was not written"
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+# ---- forward ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("rows_id", list(ROWS))
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+def test_forward_matches_float64(dtype, rows_id, rms, residual):
+    shape = ROWS[rows_id]
+    x = rand(shape, dtype)
+    r = rand(shape, dtype) if residual else None
+    w, b = params(shape[1], dtype, rms)
+    poison_torch_allocator()
+    out, total = run(x, r, w, b, rms, 1e-5)
+    ref, ref_total = reference(x, r, w, b, rms, 1e-5)
+    close(out, ref, TOL[dtype] * 3)  # weight up to 1.5, bias ~1
+    if residual:
+        assert torch.equal(total, x + r)  # the sum in the input's dtype, as torch adds
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_float32_parameters_beside_half_input(dtype, rms):
+    x = rand((17, 768), dtype)
+    w, b = params(768, dtype, rms, fp32_params=True)
+    poison_torch_allocator()
+    out, _ = run(x, None, w, b, rms, 1e-5)
+    assert out.dtype == DTYPES[dtype]
+    close(out, reference(x, None, w, b, rms, 1e-5)[0], TOL[dtype] * 3)
+    torch_out = F.rms_norm(x, (768,), w) if rms else F.layer_norm(x, (768,), w, b)
+    torch.testing.assert_close(out, torch_out.to(out.dtype), atol=TOL[dtype] * 3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("D", [1000, 4096, 300_000])
+def test_offset_data_keeps_its_digits(dtype, D):
+    """Mean 1e4, std 1: the variance must not come from E[x^2] - E[x]^2."""
+    x = rand((4, D), dtype, offset=1e4)
+    poison_torch_allocator()
+    out = cnt.layer_norm(x, D)
+    close(out, F.layer_norm(x.double(), (D,)), 1e-3 if dtype == "float32" else 1e-9)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_rows_longer_than_a_team(rms):
+    """KernelBench level-1 problem 40's row length (64 x 256 x 256 = 4M values), smaller batch."""
+    x = rand((3, 64, 256, 256), "float32", offset=0.5)
+    dims = (64, 256, 256)
+    w, b = params(math.prod(dims), "float32", rms)
+    w = w.reshape(dims)
+    b = None if b is None else b.reshape(dims)
+    poison_torch_allocator(256 << 20)
+    if rms:
+        out, ref = cnt.rms_norm(x, dims, w), F.rms_norm(x.double(), dims, w.double())
+    else:
+        out, ref = (
+            cnt.layer_norm(x, dims, w, b),
+            F.layer_norm(x.double(), dims, w.double(), b.double()),
+        )
+    close(out, ref, 1e-4)
+
+
+def test_misaligned_and_strided_inputs():
+    base = rand((8 * 64 + 1,), "bfloat16")
+    x = base[1:].view(8, 64)  # contiguous, not 16-byte aligned: the scalar path
+    w, b = params(64, "bfloat16", False)
+    poison_torch_allocator()
+    close(cnt.layer_norm(x, 64, w, b), reference(x, None, w, b, False, 1e-5)[0], 0.1)
+    xt = rand((64, 8), "float32").t()  # rows of 64 with stride 8: copied first
+    close(cnt.rms_norm(xt, 64), F.rms_norm(xt.double(), (64,)), TOL["float32"])
+
+
+def test_zero_rows():
+    for rms in (False, True):
+        x = rand((0, 7), "float32").requires_grad_()
+        w = torch.ones(7, device="cuda", requires_grad=True)
+        out, _ = run(x, None, w, None, rms, 1e-5)
+        assert out.shape == (0, 7)
+        out.sum().backward()
+        assert torch.equal(w.grad, torch.zeros(7, device="cuda"))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_cupy_arrays(rms):
+    import cupy
+
+    x = cupy.random.standard_normal((13, 257), dtype=cupy.float32)
+    r = cupy.random.standard_normal((13, 257), dtype=cupy.float32)
+    w = cupy.random.uniform(0.5, 1.5, 257, dtype=cupy.float32)
+    poison_cupy_pool()
+    if rms:
+        out, total = cupynorm.add_rms_norm(x, r, 257, w, 1e-6)
+        single = cupynorm.rms_norm(x, 257, w, 1e-6)
+    else:
+        out, total = cupynorm.add_layer_norm(x, r, 257, w, None)
+        single = cupynorm.layer_norm(x, 257, w)
+    assert isinstance(out, cupy.ndarray) and isinstance(total, cupy.ndarray)
+    tx, tr, tw = (torch.from_dlpack(a).double() for a in (x, r, w))
+    expected = reference(tx, tr, tw, None, rms, 1e-6 if rms else 1e-5)[0]
+    close(torch.from_dlpack(out), expected, 1e-4)
+    close(
+        torch.from_dlpack(single),
+        reference(tx, None, tw, None, rms, 1e-6 if rms else 1e-5)[0],
+        1e-4,
+    )
+
+
+# ---- backward --------------------------------------------------------------------------------
+def _grads_of(fn, inputs, douts):
+    outs = fn(*inputs)
+    leaves = [t for t in inputs if t is not None]
+    loss = sum((o.double() * d).sum() for o, d in zip(outs, douts, strict=True) if o is not None)
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("rows_id", ["one_element", "odd", "unaligned_len", "llama", "team_odd"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+def test_backward_matches_float64(dtype, rows_id, rms, residual):
+    rows, D = ROWS[rows_id]
+    x = rand((rows, D), dtype).requires_grad_()
+    r = rand((rows, D), dtype).requires_grad_() if residual else None
+    w, b = params(D, dtype, rms)
+    w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    dy = torch.randn(rows, D, device="cuda", dtype=torch.float64)
+    dsum = torch.randn(rows, D, device="cuda", dtype=torch.float64) if residual else None
+    douts = (dy, dsum)
+
+    def ours(x, r, w, b):
+        return run(x, r, w, b, rms, 1e-5)
+
+    poison_torch_allocator()
+    got = _grads_of(ours, (x, r, w, b), douts)
+    # reference: float64 autograd through the norm of the (rounded) sum
+    # the sum rounded in the dtype, as the kernels add; its gradient is that of x and of r
+    total = (x + r if residual else x).detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    bd = None if b is None else b.detach().double().requires_grad_()
+    out = F.rms_norm(total, (D,), wd, 1e-5) if rms else F.layer_norm(total, (D,), wd, bd, 1e-5)
+    loss = (out * dy).sum() + ((total * dsum).sum() if residual else 0)
+    leaves = [total, wd] + ([bd] if bd is not None else [])
+    expected = torch.autograd.grad(loss, leaves)
+    dx_ref, dparams_ref = expected[0], expected[1:]
+    tol = GRAD_TOL[dtype] * (1e3 if D == 1 else 1)  # one-element rows: noise times 1/sqrt(eps)
+    grads = list(got)
+    dx = grads.pop(0)
+    close(dx, dx_ref, tol)
+    if residual:
+        assert torch.equal(grads.pop(0), dx)  # the residual gets the same gradient
+    for g_ours, g_ref in zip(grads, dparams_ref, strict=True):
+        close(g_ours, g_ref, tol * math.sqrt(rows))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_gradients_are_bitwise_reproducible(rms):
+    x = rand((4097, 1024), "bfloat16").requires_grad_()
+    w, b = params(1024, "bfloat16", rms)
+    w.requires_grad_()
+    dy = torch.randn_like(x)
+    runs = []
+    for _ in range(2):
+        out, _ = run(x, None, w, b, rms, 1e-5)
+        runs.append(torch.autograd.grad(out, (x, w), dy))
+    for a, c in zip(*runs, strict=True):
+        assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_long_rows_backward(rms):
+    x = rand((3, 1 << 21), "float32").requires_grad_()
+    w = (torch.rand(1 << 21, device="cuda") + 0.5).requires_grad_()
+    dy = torch.randn_like(x)
+    out, _ = run(x, None, w, None, rms, 1e-5)
+    gx, gw = torch.autograd.grad(out, (x, w), dy)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = F.rms_norm(xd, (1 << 21,), wd) if rms else F.layer_norm(xd, (1 << 21,), wd)
+    rx, rw = torch.autograd.grad(ref, (xd, wd), dy.double())
+    close(gx, rx, 1e-4)
+    close(gw, rw, 1e-4)
+
+
+# ---- modules, compile, graphs ------------------------------------------------------------------
+@pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
+def test_module_compile_fullgraph_and_cuda_graph(cls):
+    torch._dynamo.reset()
+    ours = getattr(cnt, cls)(768, device="cuda")
+    theirs = getattr(torch.nn, cls)(768, device="cuda")
+    theirs.load_state_dict(ours.state_dict())
+    x = rand((8, 33, 768), "float32").requires_grad_()
+    compiled = torch.compile(ours, fullgraph=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, theirs(x), atol=1e-5, rtol=1e-5)
+    (gx,) = torch.autograd.grad(out.sum(), (x,))
+    (rx,) = torch.autograd.grad(theirs(x).sum(), (x,))
+    torch.testing.assert_close(gx, rx, atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()
+
+    static = rand((8, 33, 768), "float32")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        ours(static)  # warm up (compile, record) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        captured = ours(static)
+    static.copy_(rand((8, 33, 768), "float32"))
+    graph.replay()
+    with torch.no_grad():
+        torch.testing.assert_close(captured, theirs(static), atol=1e-5, rtol=1e-5)
+
+
+def test_replace_norms_in_a_transformer_layer_trains_like_torch():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda()
+    ours = cnt.replace_norms(
+        torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda()
+    )
+    ours.load_state_dict(layer.state_dict())
+    assert isinstance(ours.norm1, cnt.LayerNorm)
+    x = rand((3, 17, 64), "float32")
+    out, ref = ours(x), layer(x)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), layer.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-3, msg=name)
