@@ -25,6 +25,7 @@ from .modules import (
     InstanceNorm3d,
     RowNormAddMul,
 )
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "BatchNorm1d",
@@ -35,6 +36,7 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "RowNormAddMul",
+    "SyncBatchNorm",
     "batch_norm",
     "group_norm",
     "instance_norm",
