@@ -52,14 +52,17 @@ def _close(got: torch.Tensor, expected: torch.Tensor, tol: dict, what: str) -> N
 class _Counter:
     """Counts the collectives called through torch.distributed while installed."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce")
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+             "broadcast", "reduce")  # fmt: skip
 
     def __init__(self, dist) -> None:
         self.dist, self.calls, self.saved = dist, 0, {}
 
     def __enter__(self):
         for name in self.NAMES:
-            original = getattr(self.dist, name)
+            original = getattr(self.dist, name, None)
+            if original is None:  # not in this torch
+                continue
             self.saved[name] = original
 
             def counted(*args, _original=original, **kwargs):
@@ -292,6 +295,14 @@ def _worker(rank: int, world: int, store: str, out: str, device: str) -> None:
     import torch.distributed as dist
 
     results = {}
+    if device == "cuda":  # both processes share the one GPU; gloo carries the CUDA tensors
+        from conftest import _assert_identical, poison_torch_allocator
+
+        from cupynorm import _program
+
+        torch.cuda.set_device(0)
+        poison_torch_allocator()
+        _program.check_replay = _assert_identical  # every recorded call replayed and compared
     backend = "gloo"
     dist.init_process_group(
         backend, init_method=f"file://{store}", rank=rank, world_size=world,
