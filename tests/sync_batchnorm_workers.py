@@ -256,6 +256,20 @@ def case_ranks_agree_on_running_stats(rank, world, device):
     _check(all(torch.equal(other, stats) for other in every), "running stats differ by rank")
 
 
+def case_other_devices_get_torchs_forward(rank, world, device):
+    """Input on a device cupynorm does not synchronise (meta here): torch's forward, its error."""
+    import cupynorm.torch as cnt
+
+    errors = []
+    for cls in (torch.nn.SyncBatchNorm, cnt.SyncBatchNorm):
+        try:
+            cls(3, device="meta")(torch.empty(2, 3, 4, device="meta"))
+            errors.append(None)
+        except Exception as error:  # noqa: BLE001 - compared below
+            errors.append((type(error), str(error)))
+    _check(errors[0] is not None and errors[0] == errors[1], f"torch's, ours: {errors}")
+
+
 def case_vs_torch_sync_batchnorm(rank, world, device):
     """torch.nn.SyncBatchNorm in the same setting (CUDA only: torch's refuses CPU input)."""
     if device == "cpu":
