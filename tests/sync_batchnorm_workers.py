@@ -270,6 +270,66 @@ def case_other_devices_get_torchs_forward(rank, world, device):
     _check(errors[0] is not None and errors[0] == errors[1], f"torch's, ours: {errors}")
 
 
+def _small_cnn(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(4, 5, 3),
+        torch.nn.BatchNorm2d(5),
+    )
+
+
+def case_ddp_training_step(rank, world, device):
+    """DDP (on the CPU, its gradient averaging) over a converted model: the averaged gradients
+    times the world are those of the unconverted model on the concatenated batch (the norms'
+    input gradients flow into the convolutions' weight gradients); the running statistics
+    match."""
+    import cupynorm.torch as cnt
+
+    sizes = [3, 2, 4, 1][:world]
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(sum(sizes), 3, 7, 6, generator=g, dtype=torch.float64)
+    dy_all = torch.randn(sum(sizes), 5, 3, 2, generator=g, dtype=torch.float64)
+    reference = _small_cnn(0).double()
+    reference(x_all).backward(dy_all)
+    model = cnt.SyncBatchNorm.convert_sync_batchnorm(_small_cnn(0)).to(device, torch.float64)
+    x, dy = _slice(x_all, sizes, rank).to(device), _slice(dy_all, sizes, rank).to(device)
+    if device == "cuda":
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+        ddp(x).backward(dy)
+    else:  # DDP refuses SyncBatchNorm layers on the CPU (torch's check): average as it does
+        import torch.distributed as dist
+
+        model(x).backward(dy)
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    tol = _tolerance(torch.float64)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters(), strict=True):
+        _close(ours.grad * world, theirs.grad, tol, f"DDP gradient of {name}")
+    for (name, ours), theirs in zip(model.named_buffers(), reference.buffers(), strict=True):
+        _close(ours, theirs, tol, f"buffer {name}")
+
+
+def case_torch_compile_runs_the_sync_eagerly(rank, world, device):
+    import torch.distributed as dist
+
+    import cupynorm.torch as cnt
+
+    torch.manual_seed(3 + rank)
+    m = cnt.SyncBatchNorm(4).to(device)
+    eager = cnt.SyncBatchNorm(4).to(device)
+    compiled = torch.compile(m, backend="eager")
+    x = torch.randn(3, 4, 5, device=device)
+    with _Counter(dist) as counter:
+        y = compiled(x)
+    _check(counter.calls == 1, f"compiled forward: {counter.calls} collectives")
+    _close(y, eager(x), _tolerance(torch.float32), "compiled output")
+    _close(m.running_var, eager.running_var, _tolerance(torch.float32), "compiled running_var")
+
+
 def case_vs_torch_sync_batchnorm(rank, world, device):
     """torch.nn.SyncBatchNorm in the same setting (CUDA only: torch's refuses CPU input)."""
     if device == "cpu":

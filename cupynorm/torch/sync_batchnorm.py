@@ -37,8 +37,10 @@ few torch operations on ``(world, C)`` tensors, in a fixed order (deterministic)
 The rank-local passes are cupynorm's strided kernels (``cupynorm._ops.batch_norm_partial_stats``,
 ``batch_norm_apply``, ``batch_norm_bwd_sums``, ``batch_norm_bwd_dx``): fp32 accumulation (fp64
 for float64 input), fixed-order merges, so gradients are bitwise reproducible for a given
-world. On CPU tensors the same passes are plain torch operations, so DDP code with the gloo
-backend runs (and is tested) on the CPU -- where ``torch.nn.SyncBatchNorm`` refuses CPU input.
+world. On CPU tensors the same passes are plain torch operations, so the layer runs with the
+gloo backend on the CPU (and is tested there) -- where ``torch.nn.SyncBatchNorm`` refuses CPU
+input. ``DistributedDataParallel`` itself refuses SyncBatchNorm layers on the CPU (its check
+sees the torch base class): average the gradients with ``all_reduce`` there.
 Other devices get ``torch.nn.SyncBatchNorm``'s own forward (and its error).
 
 Like torch's: no communication in eval mode, without an initialised process group, or in a
@@ -243,7 +245,8 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     different batch sizes, an empty batch included. One ``all_reduce`` per training forward and
     one per backward: see :mod:`cupynorm.torch.sync_batchnorm` for which and why.
 
-    Unlike torch's class it also synchronises CPU tensors (gloo), with plain torch operations.
+    Unlike torch's class it also synchronises CPU tensors (gloo), with plain torch operations
+    (without DDP, which refuses SyncBatchNorm layers on the CPU).
 
     Args:
         num_features: number of channels :math:`C`
