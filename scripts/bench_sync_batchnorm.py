@@ -179,12 +179,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="images per rank (default 64)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--backend", default=None, help="nccl (default) or gloo")
+    parser.add_argument(
+        "--backend", default=None, help="nccl, or gloo (default where --spawn exceeds the GPUs)"
+    )
     parser.add_argument("--spawn", type=int, default=0, help="start this many processes here")
     parser.add_argument("--variants", nargs="+", default=["torch", "cupynorm"])
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args()
-    args.backend = args.backend or "nccl"
+    if args.backend is None:  # NCCL takes one GPU per process: more processes than GPUs, gloo
+        args.backend = "gloo" if args.spawn > torch.cuda.device_count() else "nccl"
     if "RANK" in os.environ:  # torchrun
         world = int(os.environ["WORLD_SIZE"])
         _main(int(os.environ["RANK"]), world, int(os.environ["LOCAL_RANK"]), args, None)

@@ -36,11 +36,12 @@ few torch operations on ``(world, C)`` tensors, in a fixed order (deterministic)
 
 The rank-local passes are cupynorm's strided kernels (``cupynorm._ops.batch_norm_partial_stats``,
 ``batch_norm_apply``, ``batch_norm_bwd_sums``, ``batch_norm_bwd_dx``): fp32 accumulation (fp64
-for float64 input), fixed-order merges, so gradients are bitwise reproducible for a given
-world. On CPU tensors the same passes are plain torch operations, so the layer runs with the
-gloo backend on the CPU (and is tested there) -- where ``torch.nn.SyncBatchNorm`` refuses CPU
-input. ``DistributedDataParallel`` itself refuses SyncBatchNorm layers on the CPU (its check
-sees the torch base class): average the gradients with ``all_reduce`` there.
+for float64 input), fixed-order merges, no float atomics: a rank's sums are bitwise
+reproducible, and the sums over ranks as reproducible as the backend's all_reduce. On CPU
+tensors the same passes are plain torch operations, so the layer runs with the gloo backend on
+the CPU (and is tested there) -- where ``torch.nn.SyncBatchNorm`` refuses CPU input.
+``DistributedDataParallel`` itself refuses SyncBatchNorm layers on the CPU (its check sees the
+torch base class): average the gradients with ``all_reduce`` there.
 Other devices get ``torch.nn.SyncBatchNorm``'s own forward (and its error).
 
 Like torch's: no communication in eval mode, without an initialised process group, or in a
