@@ -36,6 +36,10 @@ from ._strided import (
     Epilogue,
     _apply,
     _backward,
+    _bwd_dx,
+    _bwd_finalize,
+    _bwd_sums,
+    _elementwise,
     _finalize,
     _stats_cols,
     _stats_rows,
@@ -561,3 +565,94 @@ def row_norm_bwd(
             np.int64(plan.groups), np.int64(D), np.int32(weight is not None)))
         # fmt: on
     return dx, dweight, dbias
+
+
+# ---- synchronised batch norm: the rank-local passes around the collectives ------------------
+# A batch norm whose statistics span several processes splits batch_norm_fwd / batch_norm_bwd at
+# their merges: each rank computes its partial statistics (or gradient sums), the caller merges
+# them across ranks (cupynorm/torch/sync_batchnorm.py), and the elementwise pass runs with the
+# merged values. The kernels are the strided family's; nothing here communicates.
+def _per_channel_layout(x: Any, layout: str) -> tuple[int, int, int, str]:
+    """N, C, S of x (N, C, *spatial) and the layout of its per-channel passes ((N, C) and
+    S == 1 data are channels innermost, one row per sample)."""
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    return N, C, S, "channels_last" if S == 1 else layout
+
+
+@_programmed
+def batch_norm_partial_stats(x: Any) -> tuple:
+    """(mean (C,), var (C,)) of this rank's x over its N * prod(spatial) values per channel,
+    the biased variance: with that count, the (count, mean, M2 = var * count) triple a
+    synchronised batch norm merges across ranks. Empty x: zeros (a triple of count 0)."""
+    call = _Call(x)
+    x, layout = _prepare(x, call.bk)
+    N, C, S, layout = _per_channel_layout(x, layout)
+    mean, var = call.stats((C,), x), call.stats((C,), x)
+    if N * C * S == 0:
+        call.bk.fill_zero(mean)
+        call.bk.fill_zero(var)
+        return mean, var
+    if layout == "contiguous":
+        partials = _stats_rows(call, x, C, N, S, C * S, S)
+    else:
+        partials = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
+    rstd = call.stats((C,), x)  # written by the finalize, not needed: scratch
+    _finalize(call, x, partials, C, N * S, 0.0, mean, rstd, var)
+    return mean, var
+
+
+@_programmed
+def batch_norm_apply(x: Any, weight: Any, bias: Any, mean: Any, rstd: Any) -> tuple:
+    """(y,) with y = (x - mean[c]) * rstd[c] * weight[c] + bias[c]; mean, rstd (C,) given."""
+    call = _Call(x, weight if weight is not None else bias)
+    x, layout = _prepare(x, call.bk)
+    N, C, S, layout = _per_channel_layout(x, layout)
+    y = call.bk.empty_strided_like(x)
+    if N * C * S:
+        _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
+    return (y,)
+
+
+@_programmed
+def batch_norm_bwd_sums(dy: Any, x: Any, mean: Any, rstd: Any) -> tuple:
+    """(sum_dy (C,), sum_dy_xhat (C,)) over this rank's values of each channel, with
+    xhat = (x - mean) * rstd: the rank's own dbias and dweight (before any cast to the weight's
+    dtype), and the sums whose totals over ranks give the input gradient. Fixed-order merges:
+    bitwise reproducible. Empty x: zeros."""
+    call = _Call(x)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C, S, layout = _per_channel_layout(x, layout)
+    sum_dy, sum_dy_xhat = call.stats((C,), x), call.stats((C,), x)
+    if N * C * S == 0:
+        call.bk.fill_zero(sum_dy)
+        call.bk.fill_zero(sum_dy_xhat)
+        return sum_dy, sum_dy_xhat
+    geo = _elementwise(call, layout, N, C, S, 0, 1, call.aligned(x, dy), _plan.SPLIT_CTAS_PER_SM)
+    # pass 1 of the strided backward: per (n, c, tile) sums of dy and dy * (x - mean)
+    partials = _bwd_sums(call, dy, x, mean, geo, C)
+    # pass 2 without a weight and without dx coefficients: dweight = sum dy * xhat, dbias = sum dy
+    # in the accumulator's type
+    # fmt: off
+    _bwd_finalize(call, partials, geo.samples, C, geo.tiles, rstd, None, 0, 1, C, N * S, False,
+                  sum_dy_xhat, sum_dy, None, None)
+    # fmt: on
+    return sum_dy, sum_dy_xhat
+
+
+@_programmed
+def batch_norm_bwd_dx(dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, u: Any, v: Any) -> tuple:
+    """(dx,) with dx = (x - mean[c]) * u[c] + v[c] + dy * rstd[c] * weight[c]: the strided
+    family's dx pass given the coefficients u, v (C,) (see strided_norm.cu: u = -rstd^3 Q / L,
+    v = -rstd P / L from sums P, Q over all L values of the channel, on every rank)."""
+    call = _Call(x, weight)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C, S, layout = _per_channel_layout(x, layout)
+    dx = call.bk.empty_strided_like(x)
+    if N * C * S == 0:
+        return (dx,)
+    aligned = call.aligned(x, dy, dx)
+    _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, 0, 1, aligned)
+    return (dx,)

@@ -323,24 +323,11 @@ def _backward(
             return dx, dweight, dbias
         # fmt: on
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
-    # pass 1: per (n, c, tile) sums of dy and dy * (x - mean)
-    partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
-    smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
-    layout_name = "rows" if geo.rows else "cols"
-    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials)) + geo.tail
+    # pass 1: per (n, c, tile) sums of dy and dy * (x - mean) (of dt, with the epilogue)
+    partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, epilogue if fused else None)
     if fused:
         assert epilogue is not None
-        # fmt: off
-        call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid,
-                    geo.block, args + (
-            call.ptr(epilogue.residual), call.ptr(epilogue.y), call.ptr(epilogue.dt),
-            call.ptr(weight), call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
-        # fmt: on
         dy = epilogue.dt  # the norm's backward from here on
-    else:
-        call.launch(
-            _STRIDED, f"strided_norm_bwd_sums_{layout_name}", geo.grid, geo.block, args, smem=smem
-        )
     # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
     _bwd_finalize(
         call,
@@ -362,21 +349,66 @@ def _backward(
     )
     # pass 3: dx
     if need_dx:
-        geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned)
-        kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
-        args = (
-            call.ptr(x),
-            call.ptr(dy),
-            call.ptr(dx),
-            call.ptr(weight),
-            _NULL,
-            call.ptr(mean),
-            call.ptr(rstd),
-            call.ptr(u),
-            call.ptr(v),
-        )
-        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
+        _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, groups, cpg, aligned)
     return dx, dweight, dbias
+
+
+def _bwd_sums(
+    call: _Call,
+    dy: Any,
+    x: Any,
+    mean: Any,
+    geo: _Elementwise,
+    C: int,
+    weight: Any = None,
+    rstd: Any = None,
+    epilogue: Epilogue | None = None,
+) -> Any:
+    """Pass 1 of the backward over ``geo``'s grid: the partials (sdy, sdx) per (n, c, tile).
+    With a fused epilogue, dy becomes ``epilogue.dt`` first (written) and the sums are of dt;
+    weight and rstd are the forward's (SiLU recomputes its input)."""
+    partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
+    smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
+    layout_name = "rows" if geo.rows else "cols"
+    args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials)) + geo.tail
+    if epilogue is None:
+        kernel = f"strided_norm_bwd_sums_{layout_name}"
+        call.launch(_STRIDED, kernel, geo.grid, geo.block, args, smem=smem)
+        return partials
+    # fmt: off
+    call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid, geo.block,
+                args + (call.ptr(epilogue.residual), call.ptr(epilogue.y), call.ptr(epilogue.dt),
+                        call.ptr(weight), call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
+    # fmt: on
+    return partials
+
+
+def _bwd_dx(
+    call: _Call,
+    dy: Any,
+    x: Any,
+    dx: Any,
+    weight: Any,
+    mean: Any,
+    rstd: Any,
+    u: Any,
+    v: Any,
+    layout: str,
+    N: int,
+    C: int,
+    S: int,
+    groups: int,
+    cpg: int,
+    aligned: bool,
+) -> None:
+    """Pass 3 of the backward: dx = (x - mean) * u + v + dy * rstd * weight."""
+    geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned)
+    kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
+    # fmt: off
+    args = (call.ptr(x), call.ptr(dy), call.ptr(dx), call.ptr(weight), _NULL, call.ptr(mean),
+            call.ptr(rstd), call.ptr(u), call.ptr(v))
+    # fmt: on
+    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
 
 
 def _bwd_finalize(

@@ -83,13 +83,13 @@ def test_replace_norms_include_exclude():
 
 
 def test_replace_norms_leaves_others_alone_and_handles_root_and_shared():
-    sync = nn.SyncBatchNorm(4)
+    sync = nn.SyncBatchNorm(4)  # converted too (tests/test_sync_batchnorm_cpu.py)
     ours = cnt.BatchNorm2d(4)
     lazy = nn.LazyBatchNorm2d()
     shared = nn.GroupNorm(2, 4)
     model = nn.ModuleList([sync, ours, lazy, shared, nn.Sequential(shared)])
     cnt.replace_norms(model)
-    assert type(sync) is nn.SyncBatchNorm
+    assert type(sync) is cnt.SyncBatchNorm
     assert type(ours) is cnt.BatchNorm2d
     assert type(lazy) is nn.LazyBatchNorm2d
     assert type(shared) is cnt.GroupNorm and model[4][0] is shared
@@ -112,7 +112,7 @@ def test_replace_norms_errors():
     with pytest.raises(ValueError, match="include takes classes among"):
         cnt.replace_norms(nn.Sequential(), include=[nn.LocalResponseNorm])
     with pytest.raises(ValueError, match="exclude takes classes among"):
-        cnt.replace_norms(nn.Sequential(), exclude=[nn.SyncBatchNorm])
+        cnt.replace_norms(nn.Sequential(), exclude=[nn.LocalResponseNorm])
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         cnt.replace_norms([nn.BatchNorm2d(3)])
 

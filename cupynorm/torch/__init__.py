@@ -40,6 +40,7 @@ from .modules import (
     RMSNorm,
     RowNormAddMul,
 )
+from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
     "BatchNorm1d",
@@ -55,6 +56,7 @@ __all__ = [
     "RowNormAddMul",
     "add_layer_norm",
     "add_rms_norm",
+    "SyncBatchNorm",
     "batch_norm",
     "batch_norm_act",
     "fuse",

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import torch
 
-from . import modules
+from . import modules, sync_batchnorm
 
 __all__ = ["replace_norms"]
 
@@ -42,6 +42,7 @@ _REPLACEMENTS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
     torch.nn.BatchNorm1d: modules.BatchNorm1d,
     torch.nn.BatchNorm2d: modules.BatchNorm2d,
     torch.nn.BatchNorm3d: modules.BatchNorm3d,
+    torch.nn.SyncBatchNorm: sync_batchnorm.SyncBatchNorm,
 }
 # norms over the trailing dims of each row (their probes are shaped by normalized_shape)
 _ROW_NORMS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
@@ -61,7 +62,11 @@ _PROBE_SPATIAL = {
     torch.nn.BatchNorm1d: (5,),
     torch.nn.BatchNorm2d: (3, 4),
     torch.nn.BatchNorm3d: (2, 3, 2),
+    torch.nn.SyncBatchNorm: (3, 4),
 }
+#: Classes whose subclasses are converted only when they inherit ``forward``: a probe of a
+#: SyncBatchNorm's forward may run a collective on one rank alone (a hang).
+_UNPROBED = (torch.nn.SyncBatchNorm,)
 #: Submodules a norm-plus-activation subclass applies to the norm's output, in order: none (a
 #: plain norm), or timm's norm-act layers (``x = norm(x); x = self.drop(x); x = self.act(x)``).
 _TAILS: tuple[tuple[str, ...], ...] = ((), ("drop", "act"))
@@ -91,6 +96,8 @@ def _computes_like(module: torch.nn.Module, base: type, tail: tuple[str, ...] = 
     too)."""
     if not tail and type(module).forward is base.forward:
         return True
+    if base in _UNPROBED:
+        return False
     param = next(module.parameters(), None)
     if param is None:
         param = next(module.buffers(), None)
@@ -168,11 +175,12 @@ def replace_norms(
     """Convert every torch.nn normalization submodule of ``model`` to cupynorm's, in place.
 
     Modules of the types ``torch.nn.InstanceNorm1d/2d/3d``, ``GroupNorm``,
-    ``BatchNorm1d/2d/3d``, ``LayerNorm`` and ``RMSNorm`` become
-    :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them
-    are converted when their ``forward`` computes the same, or the same followed by their ``drop``
-    and ``act`` submodules (timm's norm-act layers; see the module docstring), and left alone
-    with a warning otherwise; ``SyncBatchNorm`` (not a subclass of these) is left alone.
+    ``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, ``LayerNorm`` and ``RMSNorm`` become
+    :class:`cupynorm.torch.InstanceNorm2d` etc. Subclasses of them are converted when their
+    ``forward`` computes the same, or the same followed by their ``drop`` and ``act`` submodules
+    (timm's norm-act layers; see the module docstring), and left alone with a warning otherwise
+    (a subclass of ``SyncBatchNorm`` only when it inherits ``forward``: it is not probed, a probe
+    could run a collective).
     The converted modules keep their parameters and buffers (the same tensor objects), device,
     dtype, training mode and hooks. On the CPU they compute exactly as before; on CUDA they run
     cupynorm's kernels. A converted subclass has a class made at conversion time: save the
@@ -180,7 +188,7 @@ def replace_norms(
 
     Args:
         model: the model; ``model`` itself is converted too if it is a normalization module.
-        include: torch.nn classes to convert, with their subclasses (default: all nine).
+        include: torch.nn classes to convert, with their subclasses (default: all ten).
         exclude: torch.nn classes to leave alone (applied after ``include``).
 
     Returns:
@@ -188,7 +196,7 @@ def replace_norms(
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``include``/``exclude`` name a class other than the nine above.
+        ValueError: ``include``/``exclude`` name a class other than the ten above.
 
     Example::
 
