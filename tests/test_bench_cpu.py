@@ -40,6 +40,7 @@ EXPECTED_WORKLOADS = [
     "rmsnorm_fwdbwd_bf16",
     "layernorm_kb40_fp32",
     "add_rmsnorm_bf16",
+    "batchnorm2d_add_relu_fp16_cl",
     "seed002_model_fp32",
     "module_overhead",
 ]

@@ -462,7 +462,7 @@ def test_less_accurate_cupynorm_fails_the_row(
     torch = pytest.importorskip("torch")
     models_dry_run()
     fake = types.ModuleType("cupynorm.torch")
-    fake.replace_norms = _wrong_replace_norms(torch)
+    fake.fuse = _wrong_replace_norms(torch)
     monkeypatch.setitem(sys.modules, "cupynorm.torch", fake)
     argv = ["bench", "--reps", "2", "--no-compile", "--only", "resnet50_b64_bf16_cl"]
     assert main(argv) == 1

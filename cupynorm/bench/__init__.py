@@ -24,7 +24,7 @@ whole training steps (zero_grad, forward, loss, backward, SGD step) of torchvisi
 (BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256), of timm's efficientnet_b0 (49
 BatchNormAct2d; bf16 autocast, channels_last, batch 64) and of 4 diffusers-style ResNet
 blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and NCHW), each with torch's norm
-layers and with `cupynorm.torch.replace_norms` of a copy, from the same weights on the same
+layers and with `cupynorm.torch.fuse` of a copy, from the same weights on the same
 batch, in three modes: eager, graphed (the whole step captured in one CUDA graph) and compile
 (`torch.compile(model)`). Per row: step ms (median, CUDA events around whole steps) and the
 speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms per step and

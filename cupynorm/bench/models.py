@@ -212,3 +212,22 @@ def row_norm_module_classes() -> dict[str, type]:
 
     _ROW_NORM_CLASSES.update(AddRMSNorm=AddRMSNorm, AddRMSNormCupynorm=AddRMSNormCupynorm)
     return _ROW_NORM_CLASSES
+
+
+_EPILOGUE_CLASSES: dict[str, type] = {}
+
+
+def epilogue_module_classes() -> dict[str, type]:
+    """BatchNormAddReLU: ``relu(bn(x) + residual)`` as torch writes it (the ResNet bottleneck's
+    tail), the eager side of cupynorm's BatchNormAct2d."""
+    if _EPILOGUE_CLASSES:
+        return _EPILOGUE_CLASSES
+    import torch.nn.functional as F
+    from torch import nn
+
+    class BatchNormAddReLU(nn.BatchNorm2d):
+        def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            return F.relu(super().forward(x) + residual)
+
+    _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU)
+    return _EPILOGUE_CLASSES

@@ -357,7 +357,7 @@ def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
     lines = [
         f"GPU: {gpu_name}",
         "Models: whole training steps (zero_grad, forward, loss, backward, SGD step), torch's "
-        "norm layers vs cupynorm.torch.replace_norms, same initial weights and batch. "
+        "norm layers vs cupynorm.torch.fuse, same initial weights and batch. "
         "step ms: median over steps, CUDA events around whole steps, after warm-up; vs torch: "
         "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
         "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode.",

@@ -6,7 +6,7 @@ For each model workload, in one process, from the same initial weights and on th
    of the loss with respect to the input, of torch in fp32 and of cupynorm in fp32, each against
    torch in float64 (`checking.max_relative_error`). cupynorm fails the row when its error is
    above 2x torch's (+ a tiny floor).
-2. Three modes, each with torch's model and with `cupynorm.torch.replace_norms(copy.deepcopy(
+2. Three modes, each with torch's model and with `cupynorm.torch.fuse(copy.deepcopy(
    model))`, each from a fresh copy of the initial weights:
    - eager: the step as written (`TrainStep`);
    - graphed: the whole step (zero_grad, forward, loss, backward, SGD step) captured in one CUDA
@@ -215,9 +215,10 @@ def _make_batch(
     return inputs, target
 
 
-def _replace_norms(model: torch.nn.Module) -> torch.nn.Module:
-    """`cupynorm.torch.replace_norms` (imported here: it needs torch and registers ops)."""
-    return importlib.import_module("cupynorm.torch").replace_norms(model)
+def _convert(model: torch.nn.Module) -> torch.nn.Module:
+    """`cupynorm.torch.fuse`: the norms converted and a BatchNorm2d's following activation and
+    residual add folded into it (imported here: it needs torch and registers ops)."""
+    return importlib.import_module("cupynorm.torch").fuse(model)
 
 
 def _on_device(
@@ -269,7 +270,7 @@ def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCh
         inputs32 = inputs64.float()
         target32 = target64 if not target64.is_floating_point() else target64.float()
         errors = []
-        for make in (copy.deepcopy, lambda m: _replace_norms(copy.deepcopy(m))):
+        for make in (copy.deepcopy, lambda m: _convert(copy.deepcopy(m))):
             model = _on_device(make(base), workload, device, torch.float32)
             output, grad = _output_and_input_grad(model, workload, inputs32, target32)
             errors.append(
@@ -342,7 +343,7 @@ def _run_step(
     result = StepResult(mode=mode, impl=impl)
     model = copy.deepcopy(base)
     if impl == MODEL_CUPYNORM:
-        model = _replace_norms(model)
+        model = _convert(model)
     model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
     forward = torch.compile(model, **COMPILE_OPTIONS) if mode == MODE_COMPILE else None
     trainer = TrainStep(model, workload, *batch, forward=forward)

@@ -41,7 +41,11 @@ class ModuleSpec:
         if self.namespace == "bench":
             from . import models
 
-            classes = {**models.seed002_module_classes(), **models.row_norm_module_classes()}
+            classes = {
+                **models.seed002_module_classes(),
+                **models.row_norm_module_classes(),
+                **models.epilogue_module_classes(),
+            }
             cls = classes[self.class_name]
         else:
             cls = getattr(importlib.import_module(self.namespace), self.class_name)
@@ -103,7 +107,9 @@ _FWDBWD_NCHW = (32, 64, 256, 256)
 _SD_GROUPNORM = (16, 320, 64, 64)
 _FWDBWD_TRAFFIC = "fwd: read x, write y; bwd: read x, read dy, write dx (5 passes)"
 _LLM_ROWS = (8192, 4096)  # tokens x hidden: a transformer's pre-norm input
-_KB40 = (16, 64, 256, 256)  # KernelBench level 1 problem 40: LayerNorm((64, 256, 256))
+_KB40 = (16, 64, 256, 256)
+_BN_ADD_RELU = (256, 256, 56, 56)  # a resnet50 bottleneck's tail at batch 256
+_BN_ADD_RELU_QUICK = (64, 256, 56, 56)  # KernelBench level 1 problem 40: LayerNorm((64, 256, 256))
 
 WORKLOADS: tuple[Workload, ...] = (
     Workload(
@@ -253,6 +259,20 @@ WORKLOADS: tuple[Workload, ...] = (
         tensor_passes=4,
         traffic="read x, read residual, write out, write sum (4 passes)",
         goal_ms=0.066,
+    ),
+    Workload(
+        name="batchnorm2d_add_relu_fp16_cl",
+        title="BatchNorm2d(256) training + residual add + ReLU fp16 channels_last fwd",
+        eager=ModuleSpec("bench", "BatchNormAddReLU", (256,)),
+        cupynorm=ModuleSpec("cupynorm.torch", "BatchNormAct2d", (256,)),
+        input_shapes=(_BN_ADD_RELU, _BN_ADD_RELU),
+        quick_input_shapes=(_BN_ADD_RELU_QUICK, _BN_ADD_RELU_QUICK),
+        dtype="float16",
+        channels_last=True,
+        # the statistics must be complete before any output: x is read twice at this size
+        tensor_passes=4,
+        traffic="read x twice, read residual, write y (4 passes)",
+        goal_ms=0.456,  # 4 passes at 85% of copy bandwidth
     ),
     Workload(
         name="seed002_model_fp32",
