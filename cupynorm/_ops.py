@@ -315,7 +315,9 @@ def batch_norm_act_bwd(
         dt = call.bk.empty_strided_like(x)
         if residual is not None:
             residual = _match_layout(call, residual, x)
-        epilogue = Epilogue(act, residual, _match_layout(call, y, x), bias, dt)
+        if y is not None:  # ReLU's mask (SiLU recomputes its input instead)
+            y = _match_layout(call, y, x)
+        epilogue = Epilogue(act, residual, y, bias, dt)
     # fmt: off
     dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
                                    1, training, needs_input_grad[:3], epilogue)
