@@ -139,10 +139,12 @@ def test_batch_norm_act_cuda_graph_and_compile():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-def test_fuse_resnet50_matches_torch():
-    """fuse() on torchvision's resnet50 (the GPU machine has torchvision): 49 fusions; fp32
-    without TF32, outputs and gradients within rounding of torch's own model over two training
-    steps, and the same state_dict keys."""
+def test_fuse_resnet50_as_accurate_as_torch():
+    """fuse() on torchvision's resnet50 (the GPU machine has torchvision): 49 fusions, the same
+    state_dict keys; in fp32 without TF32, the output, the input gradient and every parameter's
+    gradient are as close to a float64 run of torch's model as torch's own fp32 run is (resnet50
+    gradients at initialisation amplify rounding: fp32 against float64 differ by percents, so
+    the two fp32 runs are compared through their errors, not with each other)."""
     tv = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     ref = tv.models.resnet50().cuda()
@@ -150,25 +152,26 @@ def test_fuse_resnet50_matches_torch():
     model = cnt.fuse(copy.deepcopy(ref), report=report)
     assert len(report) == 49 and sum("+ add" in r for r in report) == 16
     assert list(model.state_dict()) == list(ref.state_dict())
+    ref64 = copy.deepcopy(ref).double()
     tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, ref)]
-        x = torch.randn(4, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
-        for _ in range(2):
-            outs = []
-            for m, opt in zip((model, ref), opts, strict=True):
-                opt.zero_grad()
-                out = m(x)
-                out.square().mean().backward()
-                opt.step()
-                outs.append(out.detach())
-            scale = outs[1].abs().max().item()
-            assert (outs[0] - outs[1]).abs().max().item() <= 1e-4 * scale
-        grads = dict(ref.named_parameters())
-        for name, p in model.named_parameters():
-            g = grads[name].grad
-            err = (p.grad - g).abs().max().item() / (g.abs().max().item() + 1e-30)
-            assert err <= 5e-2, f"{name}: {err:.2e}"  # resnet50 gradients amplify rounding
+        x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float64)
+        x = x.to(memory_format=torch.channels_last)
+        runs = []
+        for m in (model, ref, ref64):
+            inp = x.to(next(m.parameters()).dtype).requires_grad_()
+            out = m(inp)
+            out.square().mean().backward()
+            grads = {n: p.grad for n, p in m.named_parameters()}
+            runs.append({"output": out.detach(), "input grad": inp.grad, **grads})
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    fused, torch32, torch64 = runs
+
+    def err(a, b):
+        return (a.double() - b).abs().max().item() / (b.abs().max().item() + 1e-30)
+
+    for name, exact in torch64.items():
+        ours, theirs = err(fused[name], exact), err(torch32[name], exact)
+        assert ours <= 2 * theirs + 1e-5, f"{name}: {ours:.2e} against torch's {theirs:.2e}"
