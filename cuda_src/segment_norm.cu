@@ -151,6 +151,32 @@ __device__ __forceinline__ Stats team_merged(int64 seg, int team, const acc_t* p
     return merged;
 }
 
+// V consecutive per-position parameters (a row norm's weight or bias) from position pos, or
+// `absent` when there are none. One vector load per 16 bytes when the pointer allows it (a
+// scalar load per element made the LayerNorm forward issue-bound: 16 loads per 8 bf16 values).
+template <int V>
+__device__ __forceinline__ void load_row_params(const param_t* __restrict__ p, int pos,
+                                                acc_t absent, acc_t (&out)[V]) {
+    if (p == nullptr) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) out[j] = absent;
+        return;
+    }
+    constexpr int PER16 = 16 / sizeof(param_t);  // parameters in 16 bytes
+    if (V % PER16 == 0 && reinterpret_cast<unsigned long long>(p + pos) % 16 == 0) {
+#pragma unroll
+        for (int q = 0; q < V / PER16; ++q) {
+            const uint4 raw = *reinterpret_cast<const uint4*>(p + pos + q * PER16);
+            const param_t* vals = reinterpret_cast<const param_t*>(&raw);
+#pragma unroll
+            for (int j = 0; j < PER16; ++j) out[q * PER16 + j] = to_acc(vals[j]);
+        }
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) out[j] = to_acc(p[pos + j]);
+}
+
 // Normalize a slice from shared memory into y (and write the segment's statistics from rank 0).
 template <int V, int EPILOGUE>
 __device__ __forceinline__ void slice_write(
@@ -181,12 +207,12 @@ __device__ __forceinline__ void slice_write(
             }
         } else if (EPILOGUE == EPILOGUE_ROW) {
             const int pos = start + p * V;  // weight and bias are indexed by position in the row
+            acc_t w[V], b[V];
+            load_row_params<V>(weight, pos, acc_t(1), w);
+            load_row_params<V>(bias, pos, acc_t(0), b);
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const acc_t w = weight != nullptr ? to_acc(weight[pos + j]) : acc_t(1);
-                const acc_t b = bias != nullptr ? to_acc(bias[pos + j]) : acc_t(0);
-                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd * w + b);
-            }
+            for (int j = 0; j < V; ++j)
+                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd * w[j] + b[j]);
         } else {
             // one division per pack; a pack within one channel shares its (a, b)
             const int pos = start + p * V;
