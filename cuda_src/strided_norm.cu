@@ -361,12 +361,14 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
 // ------------------------------------------------------------------------------------------------
 // Fused epilogue of the forward (BatchNorm + residual add + activation, ResNet's bottleneck tail):
 //   y = act(t),  t = (x - mean) * a + b + z         z: the residual, in x's layout (or null)
-// and the first step of its backward, dL/dt from dy:
-//   ReLU: dt = dy * [y > 0]                       from the saved output y (as torch's ReLU)
-//   SiLU: dt = dy * s * (1 + t * (1 - s))          s = sigmoid(t), t recomputed from x and z
-// The backward sums pass writes dt (rounded to the input type) and sums that rounded value, so the
-// reductions and the dx pass, which reads dt back, see one gradient -- what torch's unfused ops
-// (the activation's backward, then the norm's) compute. dt is also the residual's gradient.
+// and the first step of its backward, dL/dt from dy, with t recomputed from x (and z), which the
+// backward reads anyway (so nothing of the forward's output is kept):
+//   ReLU: dt = dy * [t > 0]
+//   SiLU: dt = dy * s * (1 + t * (1 - s)),  s = sigmoid(t)
+// dt is rounded to the input type before it is summed -- what torch's unfused ops (the
+// activation's backward, then the norm's) hand the norm. Without a residual, the sums pass and the
+// dx pass both turn dy into dt (no extra traffic: the plain backward's 5 passes); with one, dt is
+// also the residual's gradient, so the sums pass writes it (ep.dt) and the plain dx pass reads it.
 // ACT is a template parameter: ACT_PLAIN (no epilogue: the plain kernels of this file, whose
 // registers the epilogue must not cost) or one of the activations, whose kernels are the fused
 // family's (fused_norm.cu, compiled only when a fused call needs it).
@@ -376,9 +378,8 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
 #define ACT_SILU 2
 
 struct Epilogue {
-    const scalar_t* z;  // residual (forward; backward: for SiLU's t) or null
-    const scalar_t* y;  // backward: the forward's output (ReLU)
-    scalar_t* dt;       // backward: where the sums pass writes dL/dt
+    const scalar_t* z;  // the residual (part of t) or null
+    scalar_t* dt;       // backward: where the sums pass writes dL/dt, or null (not kept)
 };
 
 template <int ACT>
@@ -388,31 +389,24 @@ __device__ __forceinline__ acc_t activate(acc_t t) {
     return t;
 }
 
-// dy -> dt in place for one pack; x, aux (ReLU: y; SiLU: z, or unused when there is none) at the
-// same elements; f the forward coefficients (SiLU only).
+// dy -> dt in place for one pack; x and z (read only when has_z) at the same elements; f the
+// forward's coefficients, so t is computed exactly as the forward computed it.
 template <int V, int ACT>
-__device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, const Pack<V>& aux,
-                                                const Coeffs* f, const Epilogue& ep) {
+__device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, const Pack<V>& z,
+                                                const Coeffs* f, bool has_z) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
+        acc_t t = (to_acc(x.v[e]) - f[e].mean) * f[e].a + f[e].b;
+        if (has_z) t += to_acc(z.v[e]);
         acc_t d = to_acc(g.v[e]);
         if (ACT == ACT_RELU) {
-            d = to_acc(aux.v[e]) > acc_t(0) ? d : acc_t(0);
+            d = t > acc_t(0) ? d : acc_t(0);
         } else if (ACT == ACT_SILU) {
-            acc_t t = (to_acc(x.v[e]) - f[e].mean) * f[e].a + f[e].b;
-            if (ep.z != nullptr) t += to_acc(aux.v[e]);
             const acc_t s = acc_t(1) / (acc_t(1) + exp(-t));
             d = d * s * (acc_t(1) + t * (acc_t(1) - s));
         }
         g.v[e] = from_acc<scalar_t>(d);
     }
-}
-
-// The pack an epilogue's backward reads beside x and dy: the output for ReLU, the residual for
-// SiLU (none when there is no residual).
-template <int ACT>
-__device__ __forceinline__ const scalar_t* activation_aux(const Epilogue& ep) {
-    return ACT == ACT_RELU ? ep.y : ep.z;
 }
 
 // forward: other = z (read only when z is given); backward: other = dy.
@@ -455,10 +449,17 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     // the second operand: dy (backward) or the residual (forward, when there is one)
     const scalar_t* __restrict__ other = BACKWARD ? dy : z;
     constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
-    Coeffs f[V];
+    // the fused backward without a residual: dy -> dt here too (the forward's coefficients fw)
+    constexpr bool grad_act = BACKWARD && ACT != ACT_PLAIN;
+    Coeffs f[V], fw[grad_act ? V : 1];
     f[0] = coeffs_of<BACKWARD>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
+    if (grad_act)
+        fw[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
 #pragma unroll
-    for (int e = 1; e < V; ++e) f[e] = f[0];
+    for (int e = 1; e < V; ++e) {
+        f[e] = f[0];
+        if (grad_act) fw[e] = fw[0];
+    }
     const int64 offset = n * sample_stride + c * chan_stride;
     const int64 q_end = min(tile_len * (tile + 1), S) / V;
     const int64 step = blockDim.x;
@@ -471,14 +472,17 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
             if (BACKWARD || has_z) g[i] = load_pack<V>(other + offset, q + i * step);
         }
 #pragma unroll
-        for (int i = 0; i < UNROLL; ++i)
+        for (int i = 0; i < UNROLL; ++i) {
+            if (grad_act) activation_grad<V, ACT>(g[i], p[i], g[i], fw, false);
             store_pack<V>(out + offset, q + i * step,
                           apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z));
+        }
     }
     for (; q < q_end; q += step) {
         const Pack<V> p = load_pack<V>(x + offset, q);
         Pack<V> g;
         if (BACKWARD || has_z) g = load_pack<V>(other + offset, q);
+        if (grad_act) activation_grad<V, ACT>(g, p, g, fw, false);
         store_pack<V>(out + offset, q, apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
     }
 }
@@ -535,12 +539,17 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
     const int64 blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
+    constexpr bool grad_act = BACKWARD && ACT != ACT_PLAIN;  // as in apply_rows
     for (int64 cp = threadIdx.x; cp < n_packs; cp += blockDim.x) {
-        Coeffs f[V];
+        Coeffs f[V], fw[grad_act ? V : 1];
 #pragma unroll
-        for (int e = 0; e < V; ++e)
+        for (int e = 0; e < V; ++e) {
             f[e] = coeffs_of<BACKWARD>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
                                        chans_per_group);
+            if (grad_act)
+                fw[e] = coeffs_of<false>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
+                                         chans_per_group);
+        }
         for (int64 b = chunk; b < blocks; b += ctas_per_n) {
             const int64 r1 = min(b * block_rows + block_rows, R);
             int64 r = b * block_rows + threadIdx.y;
@@ -553,14 +562,17 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                         g[i] = load_pack<V>(other + base + (r + i * TY) * row_stride, cp);
                 }
 #pragma unroll
-                for (int i = 0; i < COLS_APPLY_UNROLL; ++i)
+                for (int i = 0; i < COLS_APPLY_UNROLL; ++i) {
+                    if (grad_act) activation_grad<V, ACT>(g[i], p[i], g[i], fw, false);
                     store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
                                    apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z));
+                }
             }
             for (; r < r1; r += TY) {  // the sample's last block may be partial
                 const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
                 Pack<V> g;
                 if (BACKWARD || has_z) g = load_pack<V>(other + base + r * row_stride, cp);
+                if (grad_act) activation_grad<V, ACT>(g, p, g, fw, false);
                 store_pack<V>(out + base + r * row_stride, cp,
                               apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
             }
@@ -610,7 +622,7 @@ extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
 // In eval mode (constant statistics) u = v = 0.
 
 // rows layout, grid as apply_rows: one partial per (plane, tile). With an epilogue (ACT not
-// ACT_PLAIN: fused_norm.cu), dy -> dt first, written to ep.dt, and the sums are of dt.
+// ACT_PLAIN: fused_norm.cu), dy -> dt first (written to ep.dt when given) and the sums are of dt.
 template <int V, int ACT = ACT_PLAIN>
 __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
@@ -636,7 +648,7 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
                                 chans_per_group);
 #pragma unroll
         for (int e = 1; e < V; ++e) f[e] = f[0];
-        aux = activation_aux<ACT>(ep);
+        aux = ep.z;
     }
     acc_t sdy = 0, sdx = 0;
     int64 q = tile * tile_len / V + threadIdx.x;
@@ -652,8 +664,8 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             if (ACT != ACT_PLAIN) {
-                activation_grad<V, ACT>(g[i], p[i], a[i], f, ep);
-                store_pack<V>(ep.dt + offset, q + i * step, g[i]);
+                activation_grad<V, ACT>(g[i], p[i], a[i], f, aux != nullptr);
+                if (ep.dt != nullptr) store_pack<V>(ep.dt + offset, q + i * step, g[i]);
             }
 #pragma unroll
             for (int e = 0; e < V; ++e) {
@@ -668,8 +680,8 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
         Pack<V> g = load_pack<V>(dy + offset, q), a;
         if (ACT != ACT_PLAIN) {
             if (aux != nullptr) a = load_pack<V>(aux + offset, q);
-            activation_grad<V, ACT>(g, p, a, f, ep);
-            store_pack<V>(ep.dt + offset, q, g);
+            activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
+            if (ep.dt != nullptr) store_pack<V>(ep.dt + offset, q, g);
         }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -722,7 +734,7 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
     const int64 block_rows = COLS_APPLY_UNROLL * TY, blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
-    const scalar_t* __restrict__ aux = ACT != ACT_PLAIN ? activation_aux<ACT>(ep) : nullptr;
+    const scalar_t* __restrict__ aux = ACT != ACT_PLAIN ? ep.z : nullptr;
     for (int64 tile = 0; tile < n_packs; tile += TX) {
         const int64 cp = tile + tx;
         acc_t sdy[V], sdx[V], m[V];
@@ -746,8 +758,8 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                     if (ACT != ACT_PLAIN) {
                         Pack<V> a;
                         if (aux != nullptr) a = load_pack<V>(aux + base + r * row_stride, cp);
-                        activation_grad<V, ACT>(g, p, a, f, ep);
-                        store_pack<V>(ep.dt + base + r * row_stride, cp, g);
+                        activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
+                        if (ep.dt != nullptr) store_pack<V>(ep.dt + base + r * row_stride, cp, g);
                     }
 #pragma unroll
                     for (int e = 0; e < V; ++e) {

@@ -292,15 +292,14 @@ def batch_norm_act_bwd(
     training: bool,
     needs_input_grad: tuple[bool, bool, bool, bool],
     residual: Any,
-    y: Any,
     bias: Any,
     act: str,
 ) -> tuple:
     """(dx, dweight, dbias, dresidual) of batch_norm_act_fwd; needs_input_grad in that order.
 
-    y is the forward's output (ReLU's gradient reads it); residual and bias are its inputs
-    (SiLU's gradient recomputes its input from them). dt = dL/d(norm(x) + residual), written by
-    the backward's first pass, is the residual's gradient; with the identity it is dy itself.
+    residual and bias are the forward's: the activation's input t = norm(x) + residual is
+    recomputed. dt = dL/dt is the residual's gradient (written by the backward's first pass;
+    with the identity it is dy itself); without a residual it is never stored.
     """
     call = _Call(x, weight)
     x, layout = _prepare(x, call.bk)
@@ -312,12 +311,11 @@ def batch_norm_act_bwd(
     if act == "identity":
         epilogue, dt = None, dy
     else:
-        dt = call.bk.empty_strided_like(x)
+        dt = None
         if residual is not None:
             residual = _match_layout(call, residual, x)
-        if y is not None:  # ReLU's mask (SiLU recomputes its input instead)
-            y = _match_layout(call, y, x)
-        epilogue = Epilogue(act, residual, y, bias, dt)
+            dt = call.bk.empty_strided_like(x)
+        epilogue = Epilogue(act, residual, bias, dt)
     # fmt: off
     dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
                                    1, training, needs_input_grad[:3], epilogue)

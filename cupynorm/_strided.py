@@ -29,16 +29,14 @@ ACTIVATIONS = ("identity", "relu", "silu")
 class Epilogue(NamedTuple):
     """A fused epilogue: ``y = act(norm(x) + residual)``.
 
-    The forward needs ``act`` and ``residual`` (None: no add). The backward also needs what the
-    activation's gradient is computed from -- ``y`` (the forward's output, ReLU) or ``bias``
-    (SiLU recomputes its input from x, the statistics, weight, bias and the residual) -- and
-    ``dt``, the buffer (x's layout) that receives dL/d(norm(x) + residual): the gradient the
-    norm's own backward then takes, and the residual's.
+    The forward needs ``act`` and ``residual`` (None: no add). The backward recomputes the
+    activation's input t = norm(x) + residual, so it also needs ``bias``; with a residual, ``dt``
+    (x's layout) receives dL/dt, the residual's gradient, which the plain dx pass then reads;
+    without one (``dt`` None) the sums and the dx pass each turn dy into dL/dt themselves.
     """
 
     act: str
     residual: Any = None
-    y: Any = None
     bias: Any = None
     dt: Any = None
 
@@ -299,13 +297,9 @@ def _backward(
     need_dx, need_dw, need_db = needs_input_grad
     need_dw = need_dw and weight is not None
     dx = call.bk.empty_strided_like(x) if need_dx else None
-    fused = epilogue is not None and epilogue.fused_backward
-    if fused:
-        assert epilogue is not None  # for the type checker
-        extra = (epilogue.dt, epilogue.residual, epilogue.y)
-        aligned = call.aligned(x, dy, dx, *(t for t in extra if t is not None))
-    else:
-        aligned = call.aligned(x, dy, dx)
+    fused = epilogue if epilogue is not None and epilogue.fused_backward else None
+    extra = (fused.dt, fused.residual) if fused is not None else ()
+    aligned = call.aligned(x, dy, dx, *extra)
     geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
@@ -316,7 +310,7 @@ def _backward(
             if grad is not None:
                 call.bk.fill_zero(grad)
         return dx, dweight, dbias
-    if not geo.rows and groups == 0 and not fused:  # BatchNorm, channels innermost: one launch?
+    if not geo.rows and groups == 0 and fused is None:  # BatchNorm, channels last: one launch?
         # fmt: off
         if _single.batch_norm_bwd_cols(call, dy, x, mean, rstd, weight, dx, dweight, dbias,
                                        N * S, C, training):
@@ -324,10 +318,9 @@ def _backward(
         # fmt: on
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean) (of dt, with the epilogue)
-    partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, epilogue if fused else None)
-    if fused:
-        assert epilogue is not None
-        dy = epilogue.dt  # the norm's backward from here on
+    partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, fused)
+    if fused is not None and fused.dt is not None:
+        dy, fused = fused.dt, None  # written by pass 1: the plain norm backward from here on
     # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
     _bwd_finalize(
         call,
@@ -349,7 +342,10 @@ def _backward(
     )
     # pass 3: dx
     if need_dx:
-        _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, groups, cpg, aligned)
+        # fmt: off
+        _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, groups, cpg, aligned,
+                fused)
+        # fmt: on
     return dx, dweight, dbias
 
 
@@ -365,8 +361,8 @@ def _bwd_sums(
     epilogue: Epilogue | None = None,
 ) -> Any:
     """Pass 1 of the backward over ``geo``'s grid: the partials (sdy, sdx) per (n, c, tile).
-    With a fused epilogue, dy becomes ``epilogue.dt`` first (written) and the sums are of dt;
-    weight and rstd are the forward's (SiLU recomputes its input)."""
+    With a fused epilogue, dy becomes dL/dt first (written to ``epilogue.dt`` when given) and the
+    sums are of it; weight and rstd are the forward's (t is recomputed)."""
     partials = call.stats((geo.samples * C * geo.tiles * 2,), x)
     smem = 0 if geo.rows else geo.block[0] * geo.block[1] * geo.vec * 2 * _ITEMSIZE[call.acc]
     layout_name = "rows" if geo.rows else "cols"
@@ -377,8 +373,8 @@ def _bwd_sums(
         return partials
     # fmt: off
     call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid, geo.block,
-                args + (call.ptr(epilogue.residual), call.ptr(epilogue.y), call.ptr(epilogue.dt),
-                        call.ptr(weight), call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
+                args + (call.ptr(epilogue.residual), call.ptr(epilogue.dt), call.ptr(weight),
+                        call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
     # fmt: on
     return partials
 
@@ -400,15 +396,21 @@ def _bwd_dx(
     groups: int,
     cpg: int,
     aligned: bool,
+    epilogue: Epilogue | None = None,
 ) -> None:
-    """Pass 3 of the backward: dx = (x - mean) * u + v + dy * rstd * weight."""
+    """Pass 3 of the backward: dx = (x - mean) * u + v + dt * rstd * weight, where dt is dy, or
+    dL/dt computed from dy here with an epilogue (one without a residual: see Epilogue)."""
     geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned)
-    kernel = "strided_norm_bwd_dx_rows" if geo.rows else "strided_norm_bwd_dx_cols"
+    layout_name = "rows" if geo.rows else "cols"
+    source, kernel, bias = _STRIDED, f"strided_norm_bwd_dx_{layout_name}", None
+    if epilogue is not None:
+        source, bias = _FUSED, epilogue.bias
+        kernel = f"fused_norm_bwd_dx_{layout_name}_{epilogue.act}"
     # fmt: off
-    args = (call.ptr(x), call.ptr(dy), call.ptr(dx), call.ptr(weight), _NULL, call.ptr(mean),
-            call.ptr(rstd), call.ptr(u), call.ptr(v))
+    args = (call.ptr(x), call.ptr(dy), call.ptr(dx), call.ptr(weight), call.ptr(bias),
+            call.ptr(mean), call.ptr(rstd), call.ptr(u), call.ptr(v))
     # fmt: on
-    call.launch(_STRIDED, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
+    call.launch(source, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
 
 
 def _bwd_finalize(

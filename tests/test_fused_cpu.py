@@ -70,9 +70,9 @@ def test_batch_norm_act_fake_kernels_match_real():
         fake = _kernels._batch_norm_fwd_fake(*args)
         for r, f in zip(real, fake[:3], strict=True):
             assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
-        y, mean, rstd = real
+        _y, mean, rstd = real
         for mask in ([True, True, True, True], [False, False, False, True], [True] * 3 + [False]):
-            bwd = (torch.randn_like(x), x, mean, rstd, w, True, mask, z, y, b, act)
+            bwd = (torch.randn_like(x), x, mean, rstd, w, True, mask, z, b, act)
             grads = _kernels._batch_norm_act_bwd(*bwd)
             for r, f in zip(grads, _kernels._batch_norm_act_bwd_fake(*bwd), strict=True):
                 assert (r is None) == (f is None)

@@ -60,18 +60,17 @@ def _batch_norm_setup(ctx, inputs, output) -> None:
 
 
 def _batch_norm_act_setup(ctx, inputs, output) -> None:
-    # inputs: batch norm's, then residual and act; the activation's gradient needs the output
-    # (ReLU) or bias and the residual (SiLU recomputes its input)
+    # inputs: batch norm's, then residual and act; the activation's gradient recomputes its
+    # input from x, the statistics, weight, bias and the residual (no output is kept)
     x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
-    y = output[0]
+    needs_t = act != "identity"
     ctx.save_for_backward(
         x,
         weight,
         output[1],
         output[2],
-        residual if act == "silu" else None,
-        y if act == "relu" else None,
-        bias if act == "silu" else None,
+        residual if needs_t else None,
+        bias if needs_t else None,
     )
     ctx.training, ctx.act = training, act
     ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
@@ -162,12 +161,12 @@ def _make_batch_norm_act_backward(bwd):
     def backward(ctx, dy, *_stat_grads):
         if dy is None:
             return (None,) * 10
-        x, weight, save_mean, save_rstd, residual, y, bias = ctx.saved_tensors
+        x, weight, save_mean, save_rstd, residual, bias = ctx.saved_tensors
         needs = ctx.needs_input_grad
         mask = [needs[0], needs[1], needs[2], needs[8]]
         # fmt: off
         dx, dweight, dbias, dres = bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
-                                       residual, y, bias, ctx.act)
+                                       residual, bias, ctx.act)
         # fmt: on
         return dx, dweight, dbias, None, None, None, None, None, dres, None
 

@@ -246,23 +246,23 @@ def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, moment
 
 
 def _batch_norm_act_bwd_cuda(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
 ):
     """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
     dx, dweight, dbias, dres = _host().batch_norm_act_bwd(
-        dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, y, _vec(bias), act
+        dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act
     )
     dx, dweight, dbias = _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask[:3])
     return dx, dweight, dbias, dres
 
 
 def _batch_norm_act_bwd(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
 ):
-    args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act)
+    args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
     if x.is_cuda:
         return _batch_norm_act_bwd_cuda(*args)
     return _batch_norm_act_bwd_reference(*args)
@@ -272,10 +272,8 @@ def _batch_norm_act_bwd_op_kernel(bwd):
     """The op's kernel: ``bwd`` with the residual's gradient never aliasing dy (the identity
     hands dy itself back, fine in eager; an op's output must not alias an input)."""
 
-    def kernel(dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act):
-        grads = bwd(
-            dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
-        )
+    def kernel(dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act):
+        grads = bwd(dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
         dres = grads[3]
         if dres is not None and dres.data_ptr() == dy.data_ptr():
             dres = dres.clone()
@@ -285,7 +283,7 @@ def _batch_norm_act_bwd_op_kernel(bwd):
 
 
 def _batch_norm_act_bwd_fake(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
 ):
     return (
         *_norm_bwd_fake(dy, x, save_mean, save_rstd, weight, training, output_mask[:3]),

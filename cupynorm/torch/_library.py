@@ -13,7 +13,7 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
     batch_norm_act_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps,
                        residual?, act) -> as batch_norm_fwd         # y = act(norm(x) + residual)
     batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask, residual?,
-                       y, bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
+                       bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
     row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms)
@@ -118,8 +118,8 @@ _SCHEMAS = {
     ),
     "batch_norm_act_bwd": (
         "batch_norm_act_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd,"
-        " Tensor? weight, bool training, bool[4] output_mask, Tensor? residual, Tensor? y,"
-        " Tensor? bias, str act) -> (Tensor?, Tensor?, Tensor?, Tensor?)"
+        " Tensor? weight, bool training, bool[4] output_mask, Tensor? residual, Tensor? bias,"
+        " str act) -> (Tensor?, Tensor?, Tensor?, Tensor?)"
     ),
     "row_norm_add_mul_fwd": (
         "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"

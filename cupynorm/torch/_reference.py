@@ -17,7 +17,7 @@ the batch of the per-instance mean and unbiased variance. Batch norm in eval nor
 running statistics (dx = dy * weight * rstd). The row norm + add + mul (seed 002) is
 out = (xhat + y) * y, so dx as above with gx = dout * y and dy = dout * (xhat + 2 y).
 The fused batch norm epilogue is y = act(t), t = norm(x) + residual, computed in float32 with one
-rounding; its backward takes dt = dy * act'(t) (ReLU: dy where y > 0, from the output; SiLU:
+rounding; its backward recomputes t and takes dt = dy * act'(t) (ReLU: dy where t > 0; SiLU:
 dy * s * (1 + t * (1 - s)), s = sigmoid(t)), rounds it to the input dtype -- what the unfused
 activation's backward hands the norm -- and runs the batch norm backward on dt; dt is also the
 residual's gradient.
@@ -172,22 +172,22 @@ def _batch_norm_fwd_reference(
 
 
 def _batch_norm_act_bwd_reference(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, y, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
 ):
     """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
-    if act == "relu":
-        dt = torch.where(y > 0, dy, torch.zeros_like(dy))
-    elif act == "silu":
+    dt = dy
+    if act != "identity":
         stat = _stat_dtype(x.dtype)
         shape = _channel_shape(x)
         xhat = (x.to(stat) - save_mean.reshape(shape)) * save_rstd.reshape(shape)
         t = _affine(xhat, weight, bias, shape)
         if residual is not None:
             t = t + residual.to(stat)
-        s = torch.sigmoid(t)
-        dt = (dy.to(stat) * s * (1 + t * (1 - s))).to(dy.dtype)
-    else:
-        dt = dy
+        if act == "relu":
+            dt = torch.where(t > 0, dy, torch.zeros_like(dy))
+        else:
+            s = torch.sigmoid(t)
+            dt = (dy.to(stat) * s * (1 + t * (1 - s))).to(dy.dtype)
     dx, dweight, dbias = _batch_norm_bwd_reference(
         dt, x, save_mean, save_rstd, weight, training, output_mask[:3]
     )
