@@ -124,6 +124,12 @@ def test_batch_norm_act_cuda_graph_and_compile():
     eager = m(x, z)
     compiled = torch.compile(copy.deepcopy(m), fullgraph=True)(x, z)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+    def fn(x, z):  # the fused custom op itself under compile
+        return cnt.batch_norm_act(x, None, None, m.weight, m.bias, True, residual=z)
+
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x, z), fn(x, z))
+    torch._dynamo.reset()
     m.eval()
     ref = m(x, z)
     s = torch.cuda.Stream()
