@@ -304,7 +304,7 @@ class _Block(nn.Module):
 def test_compile_fullgraph_matches_eager(kernels):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = cnt.replace_norms(_Block())
+    eager = cnt.replace_norms(_Block(), include=[nn.LayerNorm, nn.RMSNorm])
     compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
     x = torch.randn(3, 5, 8, requires_grad=True)
     for model in (eager, compiled):
@@ -327,8 +327,11 @@ def test_replace_norms_converts_layer_and_rms_norms_and_their_plain_subclasses()
 
     model = nn.Sequential(nn.LayerNorm(4), nn.RMSNorm([2, 4]), MyLayerNorm(4), ScaledRMSNorm(4))
     before = [id(p) for p in model.parameters()]
+    untouched = nn.Sequential(nn.LayerNorm(4), nn.RMSNorm(4))
+    cnt.replace_norms(untouched)  # opt-in: their training step is not faster yet
+    assert [type(m) for m in untouched] == [nn.LayerNorm, nn.RMSNorm]
     with pytest.warns(UserWarning, match="ScaledRMSNorm"):
-        cnt.replace_norms(model)
+        cnt.replace_norms(model, include=[nn.LayerNorm, nn.RMSNorm])
     assert type(model[0]) is cnt.LayerNorm and type(model[1]) is cnt.RMSNorm
     assert isinstance(model[2], cnt.LayerNorm) and isinstance(model[2], MyLayerNorm)
     assert type(model[3]) is ScaledRMSNorm

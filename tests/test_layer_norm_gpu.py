@@ -307,7 +307,8 @@ def test_replace_norms_in_a_transformer_layer_trains_like_torch():
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda()
     ours = cnt.replace_norms(
-        torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda()
+        torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True).cuda(),
+        include=[torch.nn.LayerNorm],
     )
     ours.load_state_dict(layer.state_dict())
     assert isinstance(ours.norm1, cnt.LayerNorm)
