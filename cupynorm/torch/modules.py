@@ -53,10 +53,11 @@ class _BatchNormForward:
     def forward(self, input: Tensor) -> Tensor:
         return batch_norm(*self._batch_norm_args(input))
 
-    def _batch_norm_args(self, input: Tensor) -> tuple:
+    def _batch_norm_args(self, input: Tensor, check: bool = True) -> tuple:
         """The arguments torch's ``_BatchNorm.forward`` hands ``F.batch_norm`` (and its
-        ``num_batches_tracked`` update)."""
-        self._check_input_dim(input)
+        ``num_batches_tracked`` update); ``check=False``: the caller checked ``input``."""
+        if check:
+            self._check_input_dim(input)
         # The exponential average factor exactly as torch's _BatchNorm.forward computes it.
         if self.momentum is None:
             exponential_average_factor = 0.0

@@ -64,6 +64,7 @@ from . import _checks
 from ._kernels import _dense, _host, _vec
 from ._reference import _channel_shape, _layout, _stat_dtype
 from .functional import batch_norm
+from .modules import _BatchNormForward
 
 __all__ = ["SyncBatchNorm"]
 
@@ -231,7 +232,7 @@ def _sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, 
 _SYNCED_DEVICES = ("cuda", "cpu")
 
 
-class SyncBatchNorm(torch.nn.SyncBatchNorm):
+class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
     r"""Batch normalization with statistics synchronised over a process group, on cupynorm's
     kernels; a drop-in :class:`torch.nn.SyncBatchNorm`.
 
@@ -280,20 +281,8 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             return torch.nn.SyncBatchNorm.forward(self, input)  # torch's own, and its error
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
-        # The exponential average factor exactly as torch's SyncBatchNorm.forward computes it.
-        exponential_average_factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:  # cumulative moving average
-                exponential_average_factor = 1.0 / float(self.num_batches_tracked)
-        # Batch statistics in training, and in eval when there are no running statistics.
-        if self.training:
-            bn_training = True
-        else:
-            bn_training = self.running_mean is None and self.running_var is None
-        use_buffers = not self.training or self.track_running_stats
-        running_mean = self.running_mean if use_buffers else None
-        running_var = self.running_var if use_buffers else None
+        args = self._batch_norm_args(input, check=False)  # torch's factor and buffers
+        _, running_mean, running_var, _, _, bn_training, exponential_average_factor, _ = args
         if bn_training and self.training and synced:  # no communication in eval
             group = self.process_group if self.process_group else dist.group.WORLD
             world = dist.get_world_size(group)
@@ -303,16 +292,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
                                         running_var, self.eps, exponential_average_factor,
                                         group, world)
                 # fmt: on
-        return batch_norm(
-            input,
-            running_mean,
-            running_var,
-            self.weight,
-            self.bias,
-            bn_training,
-            exponential_average_factor,
-            self.eps,
-        )
+        return batch_norm(*args)
 
     @classmethod
     def convert_sync_batchnorm(
