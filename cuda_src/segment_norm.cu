@@ -1,4 +1,5 @@
 // segment_norm.cu: normalization of contiguous segments held on chip (one read, one write).
+// (Long: one family, forward and backward, for GroupNorm/InstanceNorm segments and the row norms.)
 //
 // A segment is a contiguous run of L = seg_len elements sharing one (mean, rstd):
 //   GroupNorm / InstanceNorm on NCHW: segment (n, g) = channels g*Cg .. (g+1)*Cg-1 of sample n,

@@ -1,4 +1,5 @@
 // strided_norm.cu: normalization whose statistic sets are too large for chip memory or are strided
+// (Long: one family's five passes in two layouts, with the fused epilogue's template hooks.)
 // (BatchNorm, every norm on channel-innermost data). Three passes: partial statistics, a
 // deterministic merge, and the elementwise apply (two reads + one write of x).
 //

@@ -1,5 +1,9 @@
 """Framework-neutral host code: the entry of each op, which picks a kernel family and runs it.
 
+(Past 600 lines because it holds one short entry per op -- group/instance, batch, fused batch,
+row norms, the seed-002 tail, the synchronised batch norm's passes -- each a few lines of
+choosing a family and allocating outputs; the families' own code is in their modules.)
+
 The families mirror ``cuda_src/``: the on-chip segment family (:mod:`._segment`), the strided
 rows/columns family (:mod:`._strided`); what every launch shares is in :mod:`._launch` and the
 recording/replay of calls in :mod:`._program`.

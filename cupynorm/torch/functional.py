@@ -1,5 +1,8 @@
 r"""The functional API of :mod:`cupynorm.torch` and the route of each call.
 
+(Past 600 lines: one public function per op with its full docstring, and the routing each
+shares; splitting it would separate a function from the route it takes.)
+
 Layers, bottom to top (each calls only the one below it): kernels per device
 (:mod:`._kernels`, :mod:`._reference`), custom ops (:mod:`._library`), autograd
 (:mod:`._autograd`), and here the functional API, which the modules (:mod:`.modules`) call.
