@@ -154,46 +154,12 @@ def batch_norm_fwd(
     training: bool,
     momentum: float,
     eps: float,
+    residual: Any = None,
+    act: str = "identity",
 ) -> tuple:
-    """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial)."""
-    return _batch_norm_forward(
-        x, weight, bias, running_mean, running_var, training, momentum, eps, None, "identity"
-    )
-
-
-@_programmed
-def batch_norm_act_fwd(
-    x: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    training: bool,
-    momentum: float,
-    eps: float,
-    residual: Any,
-    act: str,
-) -> tuple:
-    """y = act(batch_norm(x) + residual) in the apply pass (residual None: no add), with
-    batch_norm_fwd's statistics: (y, save_mean, save_rstd). act: "identity", "relu" or "silu"
-    (``_strided.ACTIVATIONS``); residual has x's shape and dtype."""
-    return _batch_norm_forward(
-        x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act
-    )
-
-
-def _batch_norm_forward(
-    x: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    training: bool,
-    momentum: float,
-    eps: float,
-    residual: Any,
-    act: str,
-) -> tuple:
+    """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial); with a residual
+    and/or an activation ("relu", "silu") y = act(batch_norm(x) + residual), fused into the apply
+    pass (residual: x's shape and dtype)."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     epilogue = None
@@ -274,16 +240,10 @@ def batch_norm_bwd(
 
     In eval mode the statistics are constants, so dx = dy * rstd * weight.
     """
-    call = _Call(x, weight)
-    x, layout = _prepare(x, call.bk)
-    dy = _match_layout(call, dy, x)
-    N, C = x.shape[0], x.shape[1]
-    S = _plan.prod(tuple(x.shape[2:]))
-    if S == 1:
-        layout = "channels_last"
-    return _backward(
-        call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0, 1, training, needs_input_grad
-    )
+    # fmt: off
+    return _batch_norm_backward(dy, x, save_mean, save_rstd, weight, training, needs_input_grad,
+                                None, None, "identity")[:3]
+    # fmt: on
 
 
 @_programmed
@@ -299,22 +259,40 @@ def batch_norm_act_bwd(
     bias: Any,
     act: str,
 ) -> tuple:
-    """(dx, dweight, dbias, dresidual) of batch_norm_act_fwd; needs_input_grad in that order.
+    """(dx, dweight, dbias, dresidual) of batch_norm_fwd with a residual and/or an activation;
+    needs_input_grad in that order.
 
     residual and bias are the forward's: the activation's input t = norm(x) + residual is
     recomputed. dt = dL/dt is the residual's gradient (written by the backward's first pass;
     with the identity it is dy itself); without a residual it is never stored.
     """
+    # fmt: off
+    dx, dweight, dbias, dt = _batch_norm_backward(dy, x, save_mean, save_rstd, weight, training,
+                                                  needs_input_grad[:3], residual, bias, act)
+    # fmt: on
+    return dx, dweight, dbias, dt if needs_input_grad[3] else None
+
+
+def _batch_norm_backward(
+    dy: Any,
+    x: Any,
+    save_mean: Any,
+    save_rstd: Any,
+    weight: Any,
+    training: bool,
+    needs_input_grad: tuple[bool, bool, bool],
+    residual: Any,
+    bias: Any,
+    act: str,
+) -> tuple:
+    """(dx, dweight, dbias, dt) of batch norm with the epilogue (act, residual); dt is dL/dt
+    (dy itself for the identity, None when nothing stores it)."""
     call = _Call(x, weight)
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
-    N, C = x.shape[0], x.shape[1]
-    S = _plan.prod(tuple(x.shape[2:]))
-    if S == 1:
-        layout = "channels_last"
-    if act == "identity":
-        epilogue, dt = None, dy
-    else:
+    N, C, S, layout = _per_channel_layout(x, layout)
+    epilogue, dt = None, dy
+    if act != "identity":
         dt = None
         if residual is not None:
             residual = _match_layout(call, residual, x)
@@ -322,9 +300,17 @@ def batch_norm_act_bwd(
         epilogue = Epilogue(act, residual, bias, dt)
     # fmt: off
     dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
-                                   1, training, needs_input_grad[:3], epilogue)
+                                   1, training, needs_input_grad, epilogue)
     # fmt: on
-    return dx, dweight, dbias, dt if needs_input_grad[3] else None
+    return dx, dweight, dbias, dt
+
+
+def _per_channel_layout(x: Any, layout: str) -> tuple[int, int, int, str]:
+    """N, C, S of x (N, C, *spatial) and the layout of its per-channel passes ((N, C) and
+    S == 1 data are channels innermost, one row per sample)."""
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    return N, C, S, "channels_last" if S == 1 else layout
 
 
 # ---- the seed-002 tail: row norm, then (xhat + y) * y ---------------------------------------
@@ -576,14 +562,6 @@ def row_norm_bwd(
 # their merges: each rank computes its partial statistics (or gradient sums), the caller merges
 # them across ranks (cupynorm/torch/sync_batchnorm.py), and the elementwise pass runs with the
 # merged values. The kernels are the strided family's; nothing here communicates.
-def _per_channel_layout(x: Any, layout: str) -> tuple[int, int, int, str]:
-    """N, C, S of x (N, C, *spatial) and the layout of its per-channel passes ((N, C) and
-    S == 1 data are channels innermost, one row per sample)."""
-    N, C = x.shape[0], x.shape[1]
-    S = _plan.prod(tuple(x.shape[2:]))
-    return N, C, S, "channels_last" if S == 1 else layout
-
-
 @_programmed
 def batch_norm_partial_stats(x: Any) -> tuple:
     """(mean (C,), var (C,)) of this rank's x over its N * prod(spatial) values per channel,

@@ -22,9 +22,6 @@ from ._launch import (
     _scalar,
 )
 
-#: The activations a fused epilogue applies after the norm (and the optional residual add).
-ACTIVATIONS = ("identity", "relu", "silu")
-
 
 class Epilogue(NamedTuple):
     """A fused epilogue: ``y = act(norm(x) + residual)``.

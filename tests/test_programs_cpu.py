@@ -268,3 +268,36 @@ def test_refused_cooperative_launch_falls_back_to_the_split_passes(launches, mon
         "strided_norm_finalize",
         "strided_norm_apply_cols",
     ]
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "noadd"])
+def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> None:
+    """act(bn(x) + z): the fused apply in the forward; in the backward the fused sums, then the
+    plain dx on dt (written, the residual's gradient) or the fused dx (dt never stored)."""
+    x, w, b, rm, rv = _bn_cl()
+    z = torch.rand(x.shape).to(memory_format=torch.channels_last) if with_residual else None
+    y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
+    apply = "fused_norm_apply_cols_add_relu" if with_residual else "fused_norm_apply_cols_relu"
+    assert [k for k, *_ in launches] == ["strided_norm_stats_cols", "strided_norm_finalize", apply]
+    assert launches[2][-1][-1] == (z.data_ptr() if with_residual else 0)  # the residual
+    launches.clear()
+    dy = torch.rand(x.shape).to(memory_format=torch.channels_last)
+    needs = (True, True, True, with_residual)
+    dx, dw, db, dz = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, z, b, "relu")
+    kernels = [k for k, *_ in launches]
+    dx_kernel = "strided_norm_bwd_dx_cols" if with_residual else "fused_norm_bwd_dx_cols_relu"
+    assert kernels == ["fused_norm_bwd_sums_cols_relu", "strided_norm_bwd_finalize", dx_kernel]
+    sums_args, dx_args = launches[0][-1], launches[2][-1]
+    assert (dz is not None) == with_residual
+    if with_residual:  # the sums pass writes dt = dz, which the plain dx pass reads as its dy
+        assert sums_args[-5:-3] == [z.data_ptr(), dz.data_ptr()]
+        assert dx_args[1] == dz.data_ptr() and dx_args[4] == 0
+    else:  # nothing stored: the fused dx reads dy and the forward's bias (t is recomputed)
+        assert sums_args[-5:-3] == [0, 0]
+        assert dx_args[1] == dy.data_ptr() and dx_args[4] == b.data_ptr()
+    assert dx_args[2] == dx.data_ptr()
+    # the identity: the plain backward on dy, which is the residual's gradient itself
+    launches.clear()
+    grads = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, z, b, "identity")
+    assert not any(k.startswith("fused") for k, *_ in launches)
+    assert (grads[3] is dy) == with_residual

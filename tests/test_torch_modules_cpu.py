@@ -489,9 +489,11 @@ class _LooseHost:
         )
 
     @staticmethod
-    def batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    def batch_norm_fwd(
+        x, weight, bias, running_mean, running_var, training, momentum, eps, *epilogue
+    ):
         y, mean, rstd = _reference._batch_norm_fwd_reference(
-            x, weight, bias, running_mean, running_var, training, momentum, eps
+            x, weight, bias, running_mean, running_var, training, momentum, eps, *epilogue
         )
         if not training:
             mean = running_mean.to(torch.float32)  # may be running_mean itself

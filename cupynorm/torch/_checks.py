@@ -27,6 +27,8 @@ from torch import Tensor
 
 from cupynorm.errors import InvalidInputError, InvalidTypeError
 
+from ._reference import ACTIVATIONS
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -174,9 +176,6 @@ def check_batch_norm(
     if suspect or problem is not None:
         raise_like_torch(F.batch_norm, args, ours=problem)
     check_kernel_inputs("batch_norm", input, weight, bias, running_mean, running_var)
-
-
-ACTIVATIONS = ("identity", "relu", "silu")  # the fused epilogue's, as the kernels name them
 
 
 def check_epilogue(fn: str, input: Tensor, residual: Tensor | None, activation: str) -> None:

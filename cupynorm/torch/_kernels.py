@@ -209,16 +209,24 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
 def _batch_norm_fwd_cuda(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, residual=None, act=None
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training,
+    momentum,
+    eps,
+    residual=None,
+    act="identity",
 ):
     """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual)."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
-    args = (x, _vec(weight), _vec(bias), mean, var, training, momentum, eps)
-    if residual is None and act is None:
-        y, save_mean, save_rstd = _host().batch_norm_fwd(*args)
-    else:
-        y, save_mean, save_rstd = _host().batch_norm_act_fwd(*args, residual, act or "identity")
+    # fmt: off
+    y, save_mean, save_rstd = _host().batch_norm_fwd(x, _vec(weight), _vec(bias), mean, var,
+                                                     training, momentum, eps, residual, act)
+    # fmt: on
     if training:
         _write_back(running_mean, mean)
         _write_back(running_var, var)

@@ -143,11 +143,21 @@ def _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, mom
     return y, mean, rstd
 
 
-_ACTIVATIONS = {"identity": lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu}
+#: The fused epilogue's activations by the names the kernels use.
+ACTIVATIONS = {"identity": lambda t: t, "relu": torch.relu, "silu": torch.nn.functional.silu}
 
 
 def _batch_norm_fwd_reference(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, residual=None, act=None
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training,
+    momentum,
+    eps,
+    residual=None,
+    act="identity",
 ):
     """Batch norm; with ``residual`` / ``act`` (the fused op) y = act(norm(x) + residual)."""
     stat = _stat_dtype(x.dtype)
@@ -165,8 +175,7 @@ def _batch_norm_fwd_reference(
     y = _affine((xs - mean.reshape(shape)) * rstd.reshape(shape), weight, bias, shape)
     if residual is not None:
         y = y + residual.to(stat)
-    if act is not None:
-        y = _ACTIVATIONS[act](y)
+    y = ACTIVATIONS[act](y)
     y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
     return y, mean, rstd
 

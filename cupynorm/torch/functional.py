@@ -73,6 +73,7 @@ from ._library import (
     row_norm_add_mul_fwd_op,
     row_norm_fwd_op,
 )
+from ._reference import ACTIVATIONS
 
 __all__ = [
     "add_layer_norm",
@@ -361,9 +362,6 @@ def batch_norm(
     )
 
 
-_TORCH_ACTIVATIONS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
-
-
 def batch_norm_act(
     input: Tensor,
     running_mean: Tensor | None,
@@ -400,7 +398,7 @@ def batch_norm_act(
     _checks.check_epilogue("batch_norm_act", input, residual, activation)
     if not _use_kernels(input):
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-        return _TORCH_ACTIVATIONS[activation](y if residual is None else y + residual)
+        return ACTIVATIONS[activation](y if residual is None else y + residual)
     _checks.check_batch_norm(
         input, running_mean, running_var, weight, bias, training, momentum, eps
     )

@@ -21,8 +21,8 @@ import warnings
 import torch
 from torch import Tensor
 
+from ._reference import ACTIVATIONS
 from .functional import (
-    _TORCH_ACTIVATIONS,
     batch_norm,
     batch_norm_act,
     group_norm,
@@ -253,7 +253,7 @@ class BatchNormAct2d(BatchNorm2d):
             # Inductor fuses them with their neighbours itself (resnet50 batch 256 compiled, H200:
             # 41.1 ms so, 51.1 ms with the fused op; benchmarks/NOTES.md)
             y = batch_norm(*args)
-            return _TORCH_ACTIVATIONS[self.activation](y if residual is None else y + residual)
+            return ACTIVATIONS[self.activation](y if residual is None else y + residual)
         return batch_norm_act(*args, residual=residual, activation=self.activation)
 
     def extra_repr(self) -> str:
