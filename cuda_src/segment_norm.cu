@@ -14,6 +14,8 @@
 //     replaced by s_i = x_i + residual_i rounded to the input's type (s is written out: the
 //     residual stream), as flash-attn's and Liger's fused add + norm do.
 //   RMS statistic: mean = 0, var = sum_i x_i^2 / L (the mean square), same rstd.
+//   AFFINE_SILU epilogue (GroupNorm + SiLU, the diffusion ResNet block): y_i = silu(t_i) with t_i
+//     the AFFINE value in float32, silu(t) = t / (1 + exp(-t)) as torch's (one rounding, of y).
 //
 // Mapping: the segment is split into `team` slices of slice_len elements, one CTA each. Each CTA
 // copies its slice into shared memory with cp.async and computes the slice's exact two-pass
@@ -32,6 +34,7 @@
 #define EPILOGUE_AFFINE 0
 #define EPILOGUE_ADD_MUL 1
 #define EPILOGUE_ROW 2
+#define EPILOGUE_AFFINE_SILU 3
 
 #define STAT_MEAN_VAR 0
 #define STAT_RMS 1
@@ -178,6 +181,14 @@ __device__ __forceinline__ void load_row_params(const param_t* __restrict__ p, i
     for (int j = 0; j < V; ++j) out[j] = to_acc(p[pos + j]);
 }
 
+// The AFFINE value t, or silu(t) for the AFFINE_SILU epilogue (a compile-time choice: the plain
+// affine kernel's code is unchanged).
+template <int EPILOGUE>
+__device__ __forceinline__ acc_t affine_out(acc_t t) {
+    if (EPILOGUE == EPILOGUE_AFFINE_SILU) return t / (acc_t(1) + exp(-t));
+    return t;
+}
+
 // Normalize a slice from shared memory into y (and write the segment's statistics from rank 0).
 template <int V, int EPILOGUE>
 __device__ __forceinline__ void slice_write(
@@ -225,7 +236,8 @@ __device__ __forceinline__ void slice_write(
                 const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * a + b);
+                    out.v[j] = from_acc<scalar_t>(
+                        affine_out<EPILOGUE>((to_acc(xv.v[j]) - mean) * a + b));
             } else {
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
@@ -236,7 +248,8 @@ __device__ __forceinline__ void slice_write(
                     ++within;
                     const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
                     const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
-                    out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * a + b);
+                    out.v[j] = from_acc<scalar_t>(
+                        affine_out<EPILOGUE>((to_acc(xv.v[j]) - mean) * a + b));
                 }
             }
         }
@@ -319,6 +332,25 @@ extern "C" __global__ void segment_norm_fwd_add_mul(
         segment_norm_fwd<1, EPILOGUE_ADD_MUL>(x, nullptr, nullptr, other, y, nullptr, nullptr,
                                               mean, rstd, nullptr, seg_len, slice_len, seg_len, 1,
                                               1, eps, team, tickets, partials);
+}
+
+// GroupNorm + SiLU: segment_norm_fwd_affine's arguments, y = silu(affine).
+extern "C" __global__ void segment_norm_fwd_affine_silu(
+    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
+    acc_t* __restrict__ var, int seg_len, int slice_len, int chan_len, int chans_per_group,
+    int groups, acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,
+    int vectorized) {
+    if (vectorized)
+        segment_norm_fwd<VEC, EPILOGUE_AFFINE_SILU>(x, nullptr, nullptr, nullptr, y, weight, bias,
+                                                    mean, rstd, var, seg_len, slice_len, chan_len,
+                                                    chans_per_group, groups, eps, team, tickets,
+                                                    partials);
+    else
+        segment_norm_fwd<1, EPILOGUE_AFFINE_SILU>(x, nullptr, nullptr, nullptr, y, weight, bias,
+                                                  mean, rstd, var, seg_len, slice_len, chan_len,
+                                                  chans_per_group, groups, eps, team, tickets,
+                                                  partials);
 }
 
 // ------------------------------------------------------------------------------------------------

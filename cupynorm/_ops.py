@@ -61,11 +61,14 @@ def group_norm_fwd(
     *,
     want_var: bool = False,
     want_stats: bool = True,
+    act: str = "identity",
 ) -> tuple:
     """y, mean (N, G), rstd (N, G)[, var (N, G)] of GroupNorm over x (N, C, *spatial).
 
     ``want_stats=False`` (inference): mean and rstd come back as None, and the on-chip kernels
-    skip writing them (two allocations fewer per call).
+    skip writing them (two allocations fewer per call). ``act`` ("relu", "silu"): y =
+    act(group_norm(x)) in the same write (the on-chip segment kernel for SiLU, the fused apply
+    pass of the strided family otherwise; see group_norm_act_bwd).
     """
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
@@ -87,9 +90,10 @@ def group_norm_fwd(
         seg_len = Cg * S
         aligned = call.aligned(x, y)
         plan = _plan.plan_segment(seg_len, call.itemsize, aligned, call.info)
-        if plan is not None:
+        if plan is not None and act in _SEGMENT_ACT_KERNELS:
+            kernel = _SEGMENT_ACT_KERNELS[act]
             # fmt: off
-            _segment_launch(call, plan, N * G, x, "segment_norm_fwd_affine", (
+            _segment_launch(call, plan, N * G, x, kernel, (
                 call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(mean),
                 call.ptr(rstd), call.ptr(var), np.int32(seg_len), np.int32(plan.slice_len),
                 np.int32(S), np.int32(Cg), np.int32(G), _scalar(call.acc, eps)))
@@ -101,8 +105,16 @@ def group_norm_fwd(
     if mean is None:  # the apply pass reads them
         mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
     _finalize(call, x, partials, N * G, Cg * S, eps, mean, rstd, var)
-    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg)
+    epilogue = Epilogue(act) if act != "identity" else None
+    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg, epilogue)
     return outputs
+
+
+#: group_norm_fwd's on-chip segment kernel per activation (others take the strided passes)
+_SEGMENT_ACT_KERNELS = {
+    "identity": "segment_norm_fwd_affine",
+    "silu": "segment_norm_fwd_affine_silu",
+}
 
 
 def _match_layout(call: _Call, t: Any, ref: Any) -> Any:
@@ -141,6 +153,35 @@ def group_norm_bwd(
     return _backward(
         call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True, needs_input_grad
     )
+
+
+@_programmed
+def group_norm_act_bwd(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    bias: Any,
+    num_groups: int,
+    needs_input_grad: tuple[bool, bool, bool],
+    act: str,
+) -> tuple:
+    """(dx, dweight, dbias) of group_norm_fwd with an activation ``act``: the strided backward
+    with the fused epilogue, whose sums and dx passes each recompute t = group_norm(x) from x,
+    the statistics, weight and bias and turn dy into dt = dy * act'(t) (rounded to x's dtype, as
+    the unfused activation's backward hands it over); nothing of the forward's output is kept."""
+    call = _Call(x, weight if weight is not None else bias)
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    G = num_groups
+    epilogue = Epilogue(act, None, bias) if act != "identity" else None
+    # fmt: off
+    return _backward(call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True,
+                     needs_input_grad, epilogue)
+    # fmt: on
 
 
 # ---- batch norm ---------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from ._kernels import (
     _batch_norm_act_bwd,
     _batch_norm_bwd,
     _batch_norm_fwd,
+    _group_norm_act_bwd,
+    _group_norm_act_fwd,
     _group_norm_bwd,
     _group_norm_fwd,
     _instance_norm_fwd,
@@ -36,6 +38,16 @@ def _group_norm_setup(ctx, inputs, output) -> None:
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.num_groups = num_groups
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)
+
+
+def _group_norm_act_setup(ctx, inputs, output) -> None:
+    # the activation's gradient recomputes its input from x, the statistics, weight and bias
+    x, num_groups, weight, bias, _eps, act = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias if act != "identity" else None, mean, rstd)
+    ctx.num_groups, ctx.act = num_groups, act
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
 
@@ -140,6 +152,22 @@ def _make_group_norm_backward(bwd, n_inputs: int, affine_at: int):
         grads = [None] * n_inputs
         grads[0], grads[affine_at], grads[affine_at + 1] = dx, dweight, dbias
         return tuple(grads)
+
+    return backward
+
+
+def _make_group_norm_act_backward(bwd):
+    def backward(ctx, dy, *_stat_grads):
+        if dy is None:
+            return (None,) * 6
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        mask = [needs[0], needs[2], needs[3]]
+        # fmt: off
+        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, bias, ctx.num_groups, mask,
+                                 ctx.act)
+        # fmt: on
+        return dx, None, dweight, dbias, None, None
 
     return backward
 
@@ -266,3 +294,13 @@ class _RowNormFunction(torch.autograd.Function):
         return output
 
     backward = staticmethod(once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
+
+
+class _GroupNormActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, num_groups, weight, bias, eps, act):
+        output = _group_norm_act_fwd(x, num_groups, weight, bias, eps, act)
+        _group_norm_act_setup(ctx, (x, num_groups, weight, bias, eps, act), output)
+        return output
+
+    backward = staticmethod(once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd)))

@@ -24,6 +24,7 @@ from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
+    _group_norm_act_bwd_reference,
     _group_norm_bwd_reference,
     _group_norm_fwd_reference,
     _instance_norm_fwd_reference,
@@ -162,6 +163,65 @@ def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
         x.new_empty((c,), dtype=pdtype) if output_mask[1] else None,
         x.new_empty((c,), dtype=pdtype) if output_mask[2] else None,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# group norm + activation: y = act(t), t = group_norm(x) in float32, one rounding; the backward
+# recomputes t from x and the statistics: dt = dy * act'(t) (rounded to x's dtype), then the
+# group norm backward on dt
+# ---------------------------------------------------------------------------------------------
+def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, want_stats=True):
+    """(y, mean, rstd) of the fused op; without ``want_stats`` mean and rstd may be None."""
+    x, fmt = _dense(x)
+    # fmt: off
+    y, mean, rstd = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps,
+                                           want_stats=want_stats, act=act)
+    # fmt: on
+    return y.contiguous(memory_format=fmt), mean, rstd
+
+
+def _group_norm_act_bwd_cuda(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
+    x, fmt = _dense(x)
+    dy = dy.contiguous(memory_format=fmt)
+    mask = tuple(output_mask)
+    # fmt: off
+    dx, dweight, dbias = _host().group_norm_act_bwd(dy, x, mean, rstd, _vec(weight), _vec(bias),
+                                                    num_groups, mask, act)
+    # fmt: on
+    return _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask)
+
+
+def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act):
+    if x.is_cuda:
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act)
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)
+
+
+def _group_norm_act_output(x, num_groups, weight, bias, eps, act) -> Tensor:
+    """y alone (no autograd)."""
+    if x.is_cuda:
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, False)[0]
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)[0]
+
+
+def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act):
+    """The op's CPU kernel."""
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)
+
+
+def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
+    args = (dy, x, mean, rstd, weight, bias, num_groups, output_mask, act)
+    if x.is_cuda:
+        return _group_norm_act_bwd_cuda(*args)
+    return _group_norm_act_bwd_reference(*args)
+
+
+def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act):
+    return _group_norm_fwd_fake(x, num_groups, weight, bias, eps)
+
+
+def _group_norm_act_bwd_fake(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
+    return _norm_bwd_fake(dy, x, mean, rstd, weight, num_groups, output_mask)
 
 
 # ---------------------------------------------------------------------------------------------

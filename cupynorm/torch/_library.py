@@ -4,6 +4,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
     group_norm_fwd(x, num_groups, weight?, bias?, eps) -> (y, mean, rstd)
     group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
         -> (dx?, dweight?, dbias?)
+    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act) -> (y, mean, rstd)
+                                                                    # y = act(group_norm(x))
+    group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act)
+        -> (dx?, dweight?, dbias?)
     instance_norm_fwd(x, weight?, bias?, running_mean, running_var, momentum, eps)
         -> (y, mean, rstd, new_running_mean, new_running_var)   # group norm with G = C
     batch_norm_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps)
@@ -36,10 +40,12 @@ import torch
 from ._autograd import (
     _batch_norm_act_setup,
     _batch_norm_setup,
+    _group_norm_act_setup,
     _group_norm_setup,
     _instance_norm_setup,
     _make_batch_norm_act_backward,
     _make_batch_norm_backward,
+    _make_group_norm_act_backward,
     _make_group_norm_backward,
     _make_row_norm_add_mul_backward,
     _make_row_norm_backward,
@@ -54,6 +60,11 @@ from ._kernels import (
     _batch_norm_fwd_cuda,
     _batch_norm_fwd_fake,
     _batch_norm_fwd_op_kernel,
+    _group_norm_act_bwd_cuda,
+    _group_norm_act_bwd_fake,
+    _group_norm_act_fwd_cuda,
+    _group_norm_act_fwd_fake,
+    _group_norm_act_fwd_reference_op,
     _group_norm_bwd_cuda,
     _group_norm_fwd_cuda,
     _group_norm_fwd_fake,
@@ -74,6 +85,7 @@ from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
+    _group_norm_act_bwd_reference,
     _group_norm_bwd_reference,
     _group_norm_fwd_reference,
     _instance_norm_fwd_reference,
@@ -96,6 +108,15 @@ _SCHEMAS = {
     "group_norm_bwd": (
         "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
         " int num_groups, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+    ),
+    "group_norm_act_fwd": (
+        "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
+        " str act) -> (Tensor, Tensor, Tensor)"
+    ),
+    "group_norm_act_bwd": (
+        "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
+        " Tensor? bias, int num_groups, bool[3] output_mask, str act)"
+        " -> (Tensor?, Tensor?, Tensor?)"
     ),
     "instance_norm_fwd": (
         "instance_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
@@ -142,6 +163,16 @@ _SCHEMAS = {
 _KERNELS = {
     "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference, _group_norm_fwd_fake),
     "group_norm_bwd": (_group_norm_bwd_cuda, _group_norm_bwd_reference, _norm_bwd_fake),
+    "group_norm_act_fwd": (
+        _group_norm_act_fwd_cuda,
+        _group_norm_act_fwd_reference_op,
+        _group_norm_act_fwd_fake,
+    ),
+    "group_norm_act_bwd": (
+        _group_norm_act_bwd_cuda,
+        _group_norm_act_bwd_reference,
+        _group_norm_act_bwd_fake,
+    ),
     "instance_norm_fwd": (
         _instance_norm_fwd_op_kernel(_instance_norm_fwd_cuda),
         _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
@@ -187,6 +218,8 @@ for _name, _schema in _SCHEMAS.items():
 _torch_ops = torch.ops.cupynorm
 group_norm_fwd_op = _torch_ops.group_norm_fwd.default
 group_norm_bwd_op = _torch_ops.group_norm_bwd.default
+group_norm_act_fwd_op = _torch_ops.group_norm_act_fwd.default
+group_norm_act_bwd_op = _torch_ops.group_norm_act_bwd.default
 instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
 batch_norm_fwd_op = _torch_ops.batch_norm_fwd.default
 batch_norm_bwd_op = _torch_ops.batch_norm_bwd.default
@@ -201,6 +234,12 @@ torch.library.register_autograd(
     "cupynorm::group_norm_fwd",
     _make_group_norm_backward(group_norm_bwd_op, 5, 2),
     setup_context=_group_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::group_norm_act_fwd",
+    _make_group_norm_act_backward(group_norm_act_bwd_op),
+    setup_context=_group_norm_act_setup,
     lib=_lib,
 )
 torch.library.register_autograd(

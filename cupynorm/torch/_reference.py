@@ -20,7 +20,8 @@ The fused batch norm epilogue is y = act(t), t = norm(x) + residual, computed in
 rounding; its backward recomputes t and takes dt = dy * act'(t) (ReLU: dy where t > 0; SiLU:
 dy * s * (1 + t * (1 - s)), s = sigmoid(t)), rounds it to the input dtype -- what the unfused
 activation's backward hands the norm -- and runs the batch norm backward on dt; dt is also the
-residual's gradient.
+residual's gradient. The fused group norm epilogue is the same with y = act(group_norm(x)) and
+no residual.
 """
 
 from __future__ import annotations
@@ -86,16 +87,50 @@ def _group_norm_fwd_reference(
     bias: Tensor | None,
     eps: float,
     want_var: bool = False,
+    act: str = "identity",
 ):
+    """Group norm; with ``act`` (the fused op) y = act(group_norm(x)), one rounding."""
     n, c = x.shape[0], x.shape[1]
     group_size = (c // num_groups) * math.prod(x.shape[2:])
     xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, group_size)
     var, mean = torch.var_mean(xs, dim=-1, correction=0)
     rstd = torch.rsqrt(var + eps)
     xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
-    y = _affine(xhat, weight, bias, _channel_shape(x))
+    y = ACTIVATIONS[act](_affine(xhat, weight, bias, _channel_shape(x)))
     y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
     return (y, mean, rstd, var) if want_var else (y, mean, rstd)
+
+
+def _activation_grad(dy: Tensor, t: Tensor, act: str) -> Tensor:
+    """dt = dy * act'(t) for the activation's input t (float32/64), rounded to dy's dtype: what
+    the unfused activation's backward hands the norm."""
+    if act == "identity":
+        return dy
+    if act == "relu":
+        return torch.where(t > 0, dy, torch.zeros_like(dy))
+    s = torch.sigmoid(t)
+    return (dy.to(t.dtype) * s * (1 + t * (1 - s))).to(dy.dtype)
+
+
+def _group_norm_act_bwd_reference(
+    dy: Tensor,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    num_groups: int,
+    output_mask: Sequence[bool],
+    act: str,
+):
+    """(dx, dweight, dbias) of y = act(group_norm(x)): t = group_norm(x) recomputed from the
+    statistics, dt = dy * act'(t) rounded to x's dtype, then the group norm backward on dt."""
+    if act != "identity":
+        n = x.shape[0]
+        xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, -1)
+        xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+        dy = _activation_grad(dy, _affine(xhat, weight, bias, _channel_shape(x)), act)
+    return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask)
 
 
 def _group_norm_bwd_reference(
