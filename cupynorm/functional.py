@@ -12,12 +12,14 @@ from typing import Any
 from . import _ops, _validate
 from ._interop import is_torch_tensor
 from ._validate import _dtype_name
+from .errors import InvalidInputError
 
 __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "batch_norm",
     "group_norm",
+    "group_norm_act",
     "instance_norm",
     "layer_norm",
     "rms_norm",
@@ -88,6 +90,51 @@ def group_norm(
 
         return cn_torch.group_norm(input, num_groups, weight, bias, eps)
     return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, want_stats=False)[0]
+
+
+#: activations of group_norm_act (the fused kernels' names)
+_ACTIVATIONS = ("identity", "relu", "silu")
+
+
+def group_norm_act(
+    input: Any,
+    num_groups: int,
+    weight: Any = None,
+    bias: Any = None,
+    eps: float = 1e-5,
+    activation: str = "silu",
+) -> Any:
+    r"""Group normalization and an activation in one pass: ``activation(group_norm(input))``.
+
+    :func:`group_norm`'s arguments, then ``activation``: ``"silu"`` (:math:`t / (1 + e^{-t})`),
+    ``"relu"`` or ``"identity"``, applied to the float32 normalized value before the output's
+    single rounding. On contiguous input whose groups fit on chip the input is read once and
+    the output written once.
+
+    Returns:
+        The result: same type, shape, dtype, device and memory format as ``input``.
+
+    Example:
+        >>> x = cupy.random.randn(16, 320, 64, 64, dtype=cupy.float32).astype(cupy.float16)
+        >>> y = cupynorm.group_norm_act(x, 32)      # silu(group_norm(x, 32))
+    """
+    if _is_foreign(input):
+        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
+        out = group_norm_act(_to_cupy(input), num_groups, w, b, eps, activation)
+        return _from_cupy(out, input)
+    _validate.check_group_norm(input, num_groups, weight, bias, eps)
+    if activation not in _ACTIVATIONS:
+        raise InvalidInputError(
+            f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {activation!r}"
+        )
+    if is_torch_tensor(input) and _wants_grad(input, weight, bias):
+        from . import torch as cn_torch
+
+        return cn_torch.group_norm_act(input, num_groups, weight, bias, eps, activation)
+    # fmt: off
+    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, want_stats=False,
+                               act=activation)[0]
+    # fmt: on
 
 
 def instance_norm(

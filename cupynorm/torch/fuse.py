@@ -7,11 +7,17 @@ The model is traced with :mod:`torch.fx` (norm layers kept as leaves), and in it
     bn(x) + r  (or r + bn(x)) -> relu | silu     becomes  BatchNormAct2d(act)(x, r)
     bn(x) + r                                     becomes  BatchNormAct2d("identity")(x, r)
 
+and, for a GroupNorm (torch's or cupynorm's),
+
+    gn(x) -> relu | silu                         becomes  GroupNormAct(act)(x)
+
 where the activation is a ``ReLU``/``SiLU`` module, ``F.relu``/``F.silu``/``torch.relu`` or the
 ``relu``/``relu_`` method, and the BatchNorm's output (and the sum) has no other user. The
-BatchNorm2d module object itself becomes the fused module (its class is reassigned, as
+norm module object itself becomes the fused module (its class is reassigned, as
 :func:`replace_norms` does): parameters, buffers and ``state_dict`` keys stay. Every other norm is
-converted by :func:`replace_norms`.
+converted by :func:`replace_norms`; a norm-plus-activation subclass it converts with its ``drop``
+and ``act`` tail (timm's ``GroupNormAct``/``GroupNorm1Act``) runs the fused GroupNorm kernel when
+``drop`` is an ``Identity`` and ``act`` a ``ReLU``/``SiLU`` module (checked per call).
 
 A model whose ``forward`` does not trace (data-dependent control flow, ...) is fused submodule by
 submodule: each child that traces is fused, the others are searched further down, and norms in
@@ -30,8 +36,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from . import modules
+from . import convert, modules
 from .convert import replace_norms
+from .functional import group_norm_act
 
 __all__ = ["fuse"]
 
@@ -128,6 +135,78 @@ def _fuse_graph(gm: fx.GraphModule, prefix: str, report: list[str] | None) -> in
     return fused
 
 
+def _fuse_group_norm_graph(gm: fx.GraphModule, prefix: str, report: list[str] | None) -> int:
+    """Fold the activation that alone uses a GroupNorm's output into it (GroupNormAct)."""
+    mods = dict(gm.named_modules())
+    calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_module" or type(mods[node.target]) not in (
+            torch.nn.GroupNorm,
+            modules.GroupNorm,
+        ):
+            continue
+        if calls[node.target] != 1 or len(node.args) != 1 or node.kwargs:
+            continue
+        user = _only_user(node)
+        act = _activation(user, node, mods) if user is not None else None
+        if act is None:
+            continue
+        gn = mods[node.target]
+        gn.__class__ = modules.GroupNormAct
+        gn.activation = act
+        with gm.graph.inserting_after(user):
+            new = gm.graph.call_module(node.target, node.args)
+        user.replace_all_uses_with(new)
+        gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        fused += 1
+        if report is not None:
+            report.append(f"{prefix}{node.target} + {act}")
+    if fused:
+        gm.graph.lint()
+        gm.recompile()
+    return fused
+
+
+_FUSED_TAILS: dict[type, type] = {}  # adopted GroupNorm-with-tail class -> its fused class
+
+
+def _fused_tail_class(cls: type) -> type:
+    """``cls`` (replace_norms' class of a GroupNorm subclass with a drop and act tail) running
+    the fused kernel when drop is an Identity and act a ReLU/SiLU module, else as before."""
+    if cls not in _FUSED_TAILS:
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            act = _ACT_MODULES.get(type(self.act))
+            if act is None or type(self.drop) is not torch.nn.Identity:
+                return cls.forward(self, input)
+            # fmt: off
+            return group_norm_act(input, self.num_groups, self.weight, self.bias, self.eps,
+                                  act)
+            # fmt: on
+
+        namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        namespace.update(__doc__=cls.__doc__, forward=forward)
+        _FUSED_TAILS[cls] = type(cls.__name__, (cls,), namespace)
+    return _FUSED_TAILS[cls]
+
+
+def _fuse_group_norm_tails(model: torch.nn.Module, report: list[str] | None) -> None:
+    """Put the GroupNorm subclasses replace_norms converted with their drop and act tail (timm's
+    GroupNormAct, GroupNorm1Act) on the fused kernel, where their act is a ReLU/SiLU module."""
+    tails = {
+        adopted
+        for (_cls, tail), adopted in convert._ADOPTED.items()
+        if tail == ("drop", "act") and issubclass(adopted, modules.GroupNorm)
+    }
+    for name, module in model.named_modules():
+        if type(module) in tails and type(module.act) in _ACT_MODULES:
+            module.__class__ = _fused_tail_class(type(module))
+            if report is not None:
+                report.append(f"{name} + {_ACT_MODULES[type(module.act)]}")
+
+
 def _fuse(model: torch.nn.Module, prefix: str, report: list[str] | None) -> torch.nn.Module:
     try:
         graph = _NormLeafTracer().trace(model)
@@ -139,17 +218,19 @@ def _fuse(model: torch.nn.Module, prefix: str, report: list[str] | None) -> torc
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     gm.train(model.training)
     _fuse_graph(gm, prefix, report)
+    _fuse_group_norm_graph(gm, prefix, report)
     return gm
 
 
 def fuse(model: torch.nn.Module, *, report: list[str] | None = None) -> torch.nn.Module:
     """Convert ``model``'s norms to cupynorm's and fold a BatchNorm2d's following activation and
-    residual add into it; returns the converted model (a :class:`torch.fx.GraphModule` where it
-    traced: use the returned object).
+    residual add, and a GroupNorm's following activation, into it; returns the converted model
+    (a :class:`torch.fx.GraphModule` where it traced: use the returned object).
 
     Args:
         model: the model; its norm modules are converted in place (the same module objects).
-        report: a list that receives one line per fusion (``"layer1.0.bn3 + add + relu"``).
+        report: a list that receives one line per fusion (``"layer1.0.bn3 + add + relu"``,
+            ``"0.norm1 + silu"``).
 
     Example::
 
@@ -159,4 +240,5 @@ def fuse(model: torch.nn.Module, *, report: list[str] | None = None) -> torch.nn
         49                   # 4 downsample BatchNorms feed an add that is already fused
     """
     replace_norms(model)
+    _fuse_group_norm_tails(model, report)
     return _fuse(model, "", report)
