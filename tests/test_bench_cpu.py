@@ -41,6 +41,9 @@ EXPECTED_WORKLOADS = [
     "layernorm_kb40_fp32",
     "add_rmsnorm_bf16",
     "batchnorm2d_add_relu_fp16_cl",
+    "groupnorm32_silu_fp16",
+    "groupnorm32_silu_fp16_cl",
+    "groupnorm32_silu_fwdbwd_fp16",
     "seed002_model_fp32",
     "module_overhead",
 ]
@@ -83,6 +86,28 @@ def test_registry_shapes() -> None:
     assert by_name["batchnorm2d_fwdbwd_fp32"].backward
     assert by_name["groupnorm8_fp32"].eager.describe() == "GroupNorm(8, 64)"
     assert by_name["groupnorm8_fp32"].cupynorm.namespace == "cupynorm.torch"
+
+
+def test_registry_group_norm_silu_rows() -> None:
+    """The fused GroupNorm + SiLU rows: the diffusion shape in both layouts, torch's unfused
+    sequence against GroupNormAct (same state_dict, same output on the CPU)."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    by_name = bench.WORKLOADS_BY_NAME
+    nchw, cl = by_name["groupnorm32_silu_fp16"], by_name["groupnorm32_silu_fp16_cl"]
+    assert nchw.input_shapes == cl.input_shapes == ((16, 320, 64, 64),)
+    assert (nchw.channels_last, cl.channels_last) == (False, True)
+    assert nchw.dtype == cl.dtype == "float16"
+    assert by_name["groupnorm32_silu_fwdbwd_fp16"].backward
+    eager, fused = nchw.eager.build(), nchw.cupynorm.build()
+    assert eager.state_dict().keys() == fused.state_dict().keys()
+    torch.nn.init.normal_(eager.weight)
+    torch.nn.init.normal_(eager.bias)
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 320, 3, 5)
+    unfused = F.silu(F.group_norm(x, 32, eager.weight, eager.bias, eager.eps))
+    torch.testing.assert_close(eager(x), unfused)
+    torch.testing.assert_close(fused(x), unfused)
 
 
 def test_select_workloads_all_by_default() -> None:

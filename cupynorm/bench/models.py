@@ -219,7 +219,7 @@ _EPILOGUE_CLASSES: dict[str, type] = {}
 
 def epilogue_module_classes() -> dict[str, type]:
     """BatchNormAddReLU: ``relu(bn(x) + residual)`` as torch writes it (the ResNet bottleneck's
-    tail), the eager side of cupynorm's BatchNormAct2d."""
+    tail), the eager side of cupynorm's BatchNormAct2d; GroupNormSiLU, that of GroupNormAct."""
     if _EPILOGUE_CLASSES:
         return _EPILOGUE_CLASSES
     import torch.nn.functional as F
@@ -229,5 +229,12 @@ def epilogue_module_classes() -> dict[str, type]:
         def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             return F.relu(super().forward(x) + residual)
 
-    _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU)
+    class GroupNormSiLU(nn.GroupNorm):
+        """``silu(group_norm(x))`` as torch writes it (the diffusion ResNet block's norm and
+        activation), the eager side of cupynorm's GroupNormAct."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.silu(super().forward(x))
+
+    _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU, GroupNormSiLU=GroupNormSiLU)
     return _EPILOGUE_CLASSES

@@ -275,6 +275,37 @@ WORKLOADS: tuple[Workload, ...] = (
         goal_ms=0.456,  # 4 passes at 85% of copy bandwidth
     ),
     Workload(
+        name="groupnorm32_silu_fp16",
+        title="GroupNorm(32, 320) + SiLU fp16 NCHW fwd",
+        eager=ModuleSpec("bench", "GroupNormSiLU", (32, 320)),
+        cupynorm=ModuleSpec("cupynorm.torch", "GroupNormAct", (32, 320)),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        goal_ms=0.025,  # as the GroupNorm row: the activation costs no pass
+    ),
+    Workload(
+        name="groupnorm32_silu_fp16_cl",
+        title="GroupNorm(32, 320) + SiLU fp16 channels_last fwd",
+        eager=ModuleSpec("bench", "GroupNormSiLU", (32, 320)),
+        cupynorm=ModuleSpec("cupynorm.torch", "GroupNormAct", (32, 320)),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        channels_last=True,
+        goal_ms=0.025,
+    ),
+    Workload(
+        name="groupnorm32_silu_fwdbwd_fp16",
+        title="GroupNorm(32, 320) + SiLU fp16 fwd+bwd",
+        eager=ModuleSpec("bench", "GroupNormSiLU", (32, 320)),
+        cupynorm=ModuleSpec("cupynorm.torch", "GroupNormAct", (32, 320)),
+        input_shapes=(_SD_GROUPNORM,),
+        dtype="float16",
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.07,  # as the GroupNorm row: SiLU's gradient is taken in the passes it makes
+    ),
+    Workload(
         name="seed002_model_fp32",
         title="seed-002 model: Linear(8192, 8192) 'bmm' + the tail, fp32, batch 1024",
         eager=ModuleSpec("bench", "Seed002Model", (8192, 8192)),
