@@ -122,11 +122,11 @@ def group_norm_act(
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         out = group_norm_act(_to_cupy(input), num_groups, w, b, eps, activation)
         return _from_cupy(out, input)
-    _validate.check_group_norm(input, num_groups, weight, bias, eps)
     if activation not in _ACTIVATIONS:
         raise InvalidInputError(
             f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {activation!r}"
         )
+    _validate.check_group_norm(input, num_groups, weight, bias, eps)
     if is_torch_tensor(input) and _wants_grad(input, weight, bias):
         from . import torch as cn_torch
 

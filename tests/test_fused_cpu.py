@@ -134,7 +134,7 @@ class _Block(nn.Module):
         self.conv3, self.bn3 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
         self.bn4 = nn.BatchNorm2d(4)  # output used twice: not fused
         self.bn5 = nn.BatchNorm2d(4)  # + add, no activation
-        self.gn = nn.GroupNorm(2, 4)  # converted, never fused
+        self.gn = nn.GroupNorm(2, 4)  # + SiLU: GroupNormAct
         self.relu, self.act = nn.ReLU(inplace=True), nn.SiLU()
 
     def forward(self, x):
@@ -156,11 +156,17 @@ def test_fuse_rewrites_the_known_patterns_and_keeps_the_state():
     params = dict(model.named_parameters())
     report: list[str] = []
     fused = cnt.fuse(model, report=report)
-    assert report == ["bn1 + relu", "bn2 + silu", "bn3 + add + relu", "bn5 + add + identity"]
+    assert report == [
+        "bn1 + relu",
+        "bn2 + silu",
+        "bn3 + add + relu",
+        "bn5 + add + identity",
+        "gn + silu",
+    ]
     assert [type(m).__name__ for m in (fused.bn1, fused.bn4, fused.gn)] == [
         "BatchNormAct2d",
         "BatchNorm2d",
-        "GroupNorm",
+        "GroupNormAct",
     ]
     assert isinstance(fused.gn, cnt.GroupNorm) and isinstance(fused.bn4, cnt.BatchNorm2d)
     assert all(p is params[n] for n, p in fused.named_parameters())  # the same tensors
@@ -206,7 +212,7 @@ def test_fuse_falls_back_to_the_submodules_that_trace():
     report: list[str] = []
     model = cnt.fuse(copy.deepcopy(ref), report=report)
     assert type(model) is _Untraceable and type(model.bn) is cnt.BatchNorm2d
-    assert report[0] == "block.bn1 + relu" and len(report) == 4
+    assert report[0] == "block.bn1 + relu" and len(report) == 5
     x = torch.randn(2, 4, 6, 6).abs()
     torch.testing.assert_close(model(x), ref(x))
 

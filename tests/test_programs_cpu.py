@@ -301,3 +301,54 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
     grads = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, z, b, "identity")
     assert not any(k.startswith("fused") for k, *_ in launches)
     assert (grads[3] is dy) == with_residual
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_fused_group_norm_launches_the_fused_passes(launches, fmt) -> None:
+    """silu(group_norm(x)): NCHW groups on chip in one launch (the SiLU segment kernel), other
+    layouts and activations the strided passes with the fused apply; the backward is the strided
+    one with the fused sums and dx, which read the forward's bias (t is recomputed)."""
+    memory_format = torch.channels_last if fmt == "channels_last" else torch.contiguous_format
+    x = torch.rand(2, 8, 5, 8).to(memory_format=memory_format)
+    w, b = torch.rand(8), torch.rand(8)
+    y, mean, rstd = _ops.group_norm_fwd(x, 4, w, b, 1e-5, act="silu")
+    layout = "rows" if fmt == "contiguous" else "cols"
+    if fmt == "contiguous":
+        assert [k for k, *_ in launches] == ["segment_norm_fwd_affine_silu"]
+        assert launches[0][-1][:4] == [x.data_ptr(), y.data_ptr(), w.data_ptr(), b.data_ptr()]
+    else:
+        stats = "strided_norm_stats_cols"
+        apply = "fused_norm_apply_cols_silu"
+        assert [k for k, *_ in launches] == [stats, "strided_norm_finalize", apply]
+    launches.clear()
+    _ops.group_norm_fwd(x, 4, w, b, 1e-5, act="relu")  # no on-chip ReLU: the strided passes
+    assert launches[-1][0] == f"fused_norm_apply_{layout}_relu"
+    launches.clear()
+    dy = torch.rand(x.shape).to(memory_format=memory_format)
+    dx, dw, db = _ops.group_norm_act_bwd(dy, x, mean, rstd, w, b, 4, (True, True, True), "silu")
+    kernels = [k for k, *_ in launches]
+    assert kernels == [
+        f"fused_norm_bwd_sums_{layout}_silu",
+        "strided_norm_bwd_finalize",
+        f"fused_norm_bwd_dx_{layout}_silu",
+    ]
+    sums_args, dx_args = launches[0][-1], launches[2][-1]
+    assert sums_args[-5:] == [0, 0, w.data_ptr(), b.data_ptr(), rstd.data_ptr()]
+    assert dx_args[:5] == [x.data_ptr(), dy.data_ptr(), dx.data_ptr(), w.data_ptr(), b.data_ptr()]
+    # the identity: the plain group norm passes
+    launches.clear()
+    _ops.group_norm_fwd(x, 4, w, b, 1e-5, act="identity")
+    _ops.group_norm_act_bwd(dy, x, mean, rstd, w, b, 4, (True, True, True), "identity")
+    assert not any(k.startswith("fused") or k.endswith("silu") for k, *_ in launches)
+
+
+def test_fused_group_norm_long_segments_take_the_strided_passes(launches) -> None:
+    """A group too long for a team of CTAs: the strided statistics, then the fused apply."""
+    x = torch.rand(1, 1, 1200, 1000)  # 4.8 MB of fp32 in one group
+    _ops.group_norm_fwd(x, 1, None, None, 1e-5, act="silu")
+    kernels = [k for k, *_ in launches]
+    assert kernels == [
+        "strided_norm_stats_rows",
+        "strided_norm_finalize",
+        "fused_norm_apply_rows_silu",
+    ]

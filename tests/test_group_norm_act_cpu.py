@@ -1,0 +1,285 @@
+"""The fused GroupNorm + activation without a GPU: the kernel route on the reference kernels (eager
+Function and custom op) against the unfused torch sequence, the fake kernels against the real
+outputs, torch.compile, the module's contract, argument errors against torch's, and fuse() on the
+patterns it folds, the ones it must leave alone, and timm's GroupNormAct where timm imports.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cupynorm
+import cupynorm.torch as cnt
+from cupynorm import InvalidInputError
+from cupynorm.torch import _kernels
+
+ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
+CASES = [  # shape, groups, memory format
+    ((4, 6, 5, 7), 3, "contiguous"),
+    ((3, 6, 5, 7), 2, "channels_last"),
+    ((2, 5, 9), 5, "contiguous"),  # Cg = 1
+    ((2, 12, 3, 4), 1, "contiguous"),  # Cg = 12
+]
+
+
+def _input(shape, fmt, dtype, g):
+    x = torch.randn(shape, generator=g, dtype=dtype) + 2  # offset data
+    return x.to(memory_format=torch.channels_last) if fmt == "channels_last" else x
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,groups,fmt", CASES, ids=[f"{s}-{g}-{f}" for s, g, f in CASES])
+def test_group_norm_act_kernel_route_matches_unfused(
+    kernel_path, act, affine, dtype, shape, groups, fmt
+):
+    g = torch.Generator().manual_seed(3)
+    C = shape[1]
+    x = _input(shape, fmt, dtype, g)
+    w = torch.rand(C, generator=g, dtype=dtype) + 0.5 if affine else None
+    b = torch.randn(C, generator=g, dtype=dtype) if affine else None
+    leaves = [None if t is None else t.clone().requires_grad_() for t in (x, w, b)]
+    refs = [None if t is None else t.clone().requires_grad_() for t in (x, w, b)]
+    y = cnt.group_norm_act(leaves[0], groups, leaves[1], leaves[2], 1e-5, activation=act)
+    y_ref = ACTS[act](F.group_norm(refs[0], groups, refs[1], refs[2], 1e-5))
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, y_ref, **tol)
+    if fmt == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(shape, generator=g, dtype=dtype)
+    y.backward(dy)
+    y_ref.backward(dy)
+    for ours, ref in zip(leaves, refs, strict=True):
+        if ours is not None:
+            torch.testing.assert_close(ours.grad, ref.grad, **tol)
+
+
+def test_group_norm_act_half_precision_rounds_like_the_unfused_ops(kernels):
+    """bfloat16: one rounding of the output (ours) against torch's two, within one ulp; the
+    gradient within the rounding of dt."""
+    g = torch.Generator().manual_seed(4)
+    x = _input((2, 8, 6, 6), "contiguous", torch.float32, g).bfloat16().requires_grad_()
+    w, b = torch.rand(8, generator=g) + 0.5, torch.randn(8, generator=g)
+    y = cnt.group_norm_act(x, 4, w, b)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = F.silu(F.group_norm(x2, 4, w, b))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y2, rtol=8e-3, atol=8e-3)
+    dy = torch.randn(y.shape, generator=g).bfloat16()
+    y.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=3e-2, atol=3e-2)
+
+
+def test_group_norm_act_fake_kernels_match_real():
+    g = torch.Generator().manual_seed(5)
+    for fmt in ("contiguous", "channels_last"):
+        x = _input((3, 6, 5, 7), fmt, torch.float32, g)
+        w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+        for act in ACTS:
+            args = (x, 3, w, b, 1e-5, act)
+            real = _kernels._group_norm_act_fwd(*args)
+            fake = _kernels._group_norm_act_fwd_fake(*args)
+            for r, f in zip(real, fake, strict=True):
+                assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+            _y, mean, rstd = real
+            for mask in ([True, True, True], [True, False, False], [False, True, True]):
+                bwd = (torch.randn_like(x), x, mean, rstd, w, b, 3, mask, act)
+                grads = _kernels._group_norm_act_bwd(*bwd)
+                for r, f in zip(grads, _kernels._group_norm_act_bwd_fake(*bwd), strict=True):
+                    assert (r is None) == (f is None)
+                    if r is not None:
+                        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+def test_group_norm_act_compiles_fullgraph_on_the_reference_kernels(kernels):
+    torch._dynamo.reset()
+    m = cnt.GroupNormAct(2, 4)
+    nn.init.normal_(m.weight)
+    x = torch.randn(2, 4, 3, 5, requires_grad=True)
+    expected = m(x)
+    expected.square().sum().backward()
+    expected_grads = (x.grad.clone(), m.weight.grad.clone())
+    x.grad = m.weight.grad = None
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    torch.testing.assert_close(y, expected)
+    y.square().sum().backward()
+    torch.testing.assert_close((x.grad, m.weight.grad), expected_grads)
+    torch._dynamo.reset()
+
+
+def test_group_norm_act_module_contract():
+    m, ref = cnt.GroupNormAct(3, 6, eps=1e-3), nn.GroupNorm(3, 6, eps=1e-3)
+    assert isinstance(m, nn.GroupNorm) and isinstance(m, cnt.GroupNorm)
+    assert m.activation == "silu"
+    assert list(m.state_dict()) == list(ref.state_dict())
+    assert repr(m) == repr(ref).replace("GroupNorm(", "GroupNormAct(")[:-1] + (
+        ", activation='silu')"
+    )
+    nn.init.normal_(ref.weight)
+    nn.init.normal_(ref.bias)
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 4, 5)
+    torch.testing.assert_close(m(x), F.silu(ref(x)))
+    relu = cnt.GroupNormAct(3, 6, affine=False, activation="relu")
+    torch.testing.assert_close(relu(x), F.relu(F.group_norm(x, 3)))
+    assert list(relu.state_dict()) == []
+
+
+def test_group_norm_act_argument_errors(kernels):
+    x = torch.randn(2, 4, 3)
+    with pytest.raises(InvalidInputError, match="activation"):
+        cnt.group_norm_act(x, 2, activation="gelu")
+    # the group norm's own errors: torch's type and wording
+    for args in ((x, 3), (x, 2, torch.ones(3)), (torch.randn(4), 2)):
+        with pytest.raises(Exception) as ours:
+            cnt.group_norm_act(*args)
+        with pytest.raises(Exception) as theirs:
+            F.group_norm(*args)
+        assert isinstance(ours.value, theirs.type) and str(ours.value) == str(theirs.value)
+
+
+def test_cupy_functional_group_norm_act_checks_the_activation():
+    with pytest.raises(InvalidInputError, match="activation"):
+        cupynorm.group_norm_act(torch.randn(2, 4, 3, device="meta"), 2, activation="gelu")
+
+
+# ---------------------------------------------------------------------------------------------
+# fuse()
+# ---------------------------------------------------------------------------------------------
+class _Blocks(nn.Module):
+    """GroupNorm followed by each activation form fuse() knows, and two it must leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gn1, self.gn2, self.gn3 = nn.GroupNorm(2, 4), nn.GroupNorm(2, 4), nn.GroupNorm(4, 4)
+        self.gn4 = nn.GroupNorm(2, 4)  # output used twice: not fused
+        self.gn5 = nn.GroupNorm(1, 4)  # called twice: not fused
+        self.act, self.relu = nn.SiLU(), nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(self.act(self.gn1(x)))
+        h = F.silu(self.gn2(h), inplace=True)
+        h = self.relu(self.gn3(h))
+        y = self.gn4(h)
+        h = F.silu(y) + y
+        return F.silu(self.gn5(h)) + self.gn5(x)
+
+
+def test_fuse_folds_group_norm_activations_and_keeps_the_state():
+    torch.manual_seed(0)
+    ref = _Blocks()
+    for m in ref.modules():
+        if isinstance(m, nn.GroupNorm):
+            nn.init.normal_(m.weight)
+            nn.init.normal_(m.bias)
+    report: list[str] = []
+    fused = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["gn1 + silu", "gn2 + silu", "gn3 + relu"]
+    assert [type(getattr(fused, f"gn{i}")).__name__ for i in range(1, 6)] == [
+        "GroupNormAct",
+        "GroupNormAct",
+        "GroupNormAct",
+        "GroupNorm",
+        "GroupNorm",
+    ]
+    assert [fused.gn1.activation, fused.gn3.activation] == ["silu", "relu"]
+    assert sorted(fused.state_dict()) == sorted(ref.state_dict())
+    x = torch.randn(2, 4, 6, 6)
+    torch.testing.assert_close(fused(x), ref(x))
+
+
+def test_fuse_group_norm_on_the_kernel_route_trains_like_torch(kernels):
+    torch.manual_seed(1)
+    ref = _Blocks()
+    fused = cnt.fuse(copy.deepcopy(ref))
+    x = torch.randn(2, 4, 6, 6)
+    for m in (fused, ref):
+        m(x).square().sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in fused.named_parameters():
+        g = grads[name].grad
+        scale = max(g.abs().max().item(), 1.0)
+        assert (p.grad - g).abs().max().item() <= 1e-5 * scale, name
+
+
+def test_fuse_bench_gn_resnet_blocks_fuses_both_norms():
+    from cupynorm.bench import models
+
+    torch.manual_seed(0)
+    ref = models._gn_module_classes()["GNResnetBlocks"](64, 2)
+    report: list[str] = []
+    fused = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["0.norm1 + silu", "0.norm2 + silu", "1.norm1 + silu", "1.norm2 + silu"]
+    assert list(fused.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 64, 5, 5)
+    torch.testing.assert_close(fused(x), ref(x))
+
+
+class _NormTail(nn.GroupNorm):
+    """The shape of timm's GroupNormAct: torch's group norm, then its drop and act submodules."""
+
+    def __init__(self, groups, channels, act, drop=None) -> None:
+        super().__init__(groups, channels)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.drop(F.group_norm(x, self.num_groups, self.weight, self.bias)))
+
+
+@pytest.mark.parametrize(
+    "act,drop,fused",
+    [(nn.SiLU(), None, True), (nn.ReLU(), None, True), (nn.GELU(), None, False)],
+    ids=["silu", "relu", "gelu"],
+)
+def test_fuse_norm_act_subclass_runs_the_fused_op(monkeypatch, act, drop, fused):
+    """A norm-act subclass replace_norms adopts with its tail: on the fused op when its act is a
+    ReLU/SiLU module and its drop an Identity; otherwise its own tail after the norm."""
+    from cupynorm.torch import functional as cnf
+
+    calls = []
+    real = cnf.group_norm_act
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(importlib.import_module("cupynorm.torch.fuse"), "group_norm_act", spy)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(4, 4, 1), _NormTail(2, 4, act, drop))
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    norm = model.get_submodule("1")
+    assert isinstance(norm, _NormTail) and isinstance(norm, cnt.GroupNorm)
+    x = torch.randn(2, 4, 5, 5)
+    torch.testing.assert_close(model(x), ref(x))
+    assert report == (["1 + " + calls[0]] if fused else [])
+    assert len(calls) == int(fused)
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_fuse_timm_group_norm_act():
+    try:
+        norm_act = pytest.importorskip("timm.layers.norm_act")
+    except ImportError as error:  # timm present but its own imports fail (no torchvision)
+        pytest.skip(f"timm does not import: {error}")
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        norm_act.GroupNormAct(16, num_groups=8, act_layer=nn.SiLU),
+        norm_act.GroupNorm1Act(16, act_layer=nn.SiLU),
+    )
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["0 + silu", "1 + silu"]
+    x = torch.randn(2, 16, 5, 5)
+    torch.testing.assert_close(model(x), ref(x))

@@ -1,0 +1,257 @@
+"""The fused GroupNorm + activation (cupynorm.torch.group_norm_act, GroupNormAct, fuse) on the GPU:
+against the unfused sequence (F.group_norm then the activation) in float64 and in the input's
+dtype on fresh data, every dtype, both layouts, odd sizes, offset data, one channel per group and
+many, segments on chip (one CTA, a team) and too long for a team (the strided passes), empty
+input, poisoned outputs; the CuPy functional; CUDA graphs and torch.compile; fuse() on the
+diffusers-style ResNet blocks against torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from conftest import cuda_available, poison_torch_allocator
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
+
+if cuda_available():
+    import torch
+    import torch.nn.functional as F
+
+    import cupynorm
+    import cupynorm.torch as cnt
+
+    DTYPES = {
+        "float32": torch.float32,
+        "float64": torch.float64,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+    }
+    ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
+
+# relative to the largest reference value; half types: one rounding of the output, and dt
+# rounded once before the norm's backward (as the unfused ops do)
+TOL = {"float32": 2e-5, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
+
+CASES = [  # shape, groups, memory format
+    ((4, 6, 7, 9), 3, "contiguous"),  # odd planes, Cg = 2: the scalar on-chip path
+    ((3, 6, 7, 9), 3, "channels_last"),
+    ((4, 320, 8, 8), 32, "contiguous"),  # the diffusion shape, small: vectorized, one CTA
+    ((4, 320, 8, 8), 32, "channels_last"),
+    ((3, 8, 5), 8, "contiguous"),  # 3-D input, Cg = 1
+    ((2, 64, 9, 11), 1, "contiguous"),  # Cg = 64
+    ((2, 64, 9, 11), 1, "channels_last"),
+    ((2, 4, 130, 131), 2, "contiguous"),  # a team of CTAs per segment
+    ((2, 2, 600, 640), 1, "contiguous"),  # fp32: too long for a team (strided); half: a team
+    ((2, 40, 6, 5, 3), 4, "contiguous"),  # 5-D
+]
+CASE_IDS = [f"{'x'.join(map(str, s))}-g{g}-{f}" for s, g, f in CASES]
+
+
+def _make(shape, dtype, fmt, offset=0.0):
+    x = torch.randn(shape, device="cuda", dtype=torch.float64) + offset
+    x = x.to(DTYPES[dtype])
+    return x.to(memory_format=torch.channels_last) if fmt == "channels_last" else x
+
+
+def _err(ours, ref):
+    scale = ref.abs().max().item() + 1e-30
+    return (ours.double() - ref.double()).abs().max().item() / scale
+
+
+def _close(ours, ref, dtype, what, factor=1.0):
+    assert ours is not None, what
+    assert not torch.isnan(ours).any(), f"NaN in {what}"
+    err = _err(ours, ref)
+    assert err <= factor * TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("act", ["silu", "relu", "identity"])
+@pytest.mark.parametrize("params", ["fp32", "input", "none"])
+@pytest.mark.parametrize("shape,groups,fmt", CASES, ids=CASE_IDS)
+def test_group_norm_act_matches_unfused(dtype, act, params, shape, groups, fmt):
+    if act != "silu" and (params != "fp32" or shape[1] == 320 or len(shape) != 4):
+        pytest.skip("the other activations on a few cases")
+    if params == "input" and dtype == "float32":
+        pytest.skip("same as fp32 parameters")
+    poison_torch_allocator()
+    C = shape[1]
+    x = _make(shape, dtype, fmt, offset=3.0).requires_grad_()
+    pdtype = {"fp32": torch.float32, "input": x.dtype}.get(params)
+    if dtype == "float64" and pdtype is not None:
+        pdtype = torch.float64
+    w = b = None
+    if pdtype is not None:
+        w = (torch.rand(C, device="cuda", dtype=pdtype) + 0.5).requires_grad_()
+        b = torch.randn(C, device="cuda", dtype=pdtype).requires_grad_()
+    y = cnt.group_norm_act(x, groups, w, b, 1e-5, activation=act)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    if fmt == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    # float64 reference: the unfused sequence on the same (rounded) inputs
+    xd = x.detach().double().requires_grad_()
+    wd = bd = None
+    if w is not None:
+        wd, bd = w.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    t = F.group_norm(xd, groups, wd, bd, 1e-5)
+    # ReLU as a multiplication by our output's mask: the same kink for both
+    yd = t * (y.detach() > 0) if act == "relu" else ACTS[act](t)
+    yd.backward(dy.double())
+    _close(y.detach(), yd.detach(), dtype, "y")
+    _close(x.grad, xd.grad, dtype, "dx")
+    if w is not None:
+        _close(w.grad, wd.grad, dtype, "dweight")
+        _close(b.grad, bd.grad, dtype, "dbias")
+        assert w.grad.dtype == w.dtype and b.grad.dtype == b.dtype
+    # and torch's unfused sequence in the input's dtype: within the same bound of float64
+    xt = x.detach().clone().requires_grad_()
+    yt = ACTS[act](F.group_norm(xt, groups, w, b, 1e-5))
+    yt.backward(dy)
+    _close(y.detach(), yt.detach(), dtype, "y vs torch", factor=2)
+    _close(x.grad, xt.grad, dtype, "dx vs torch", factor=2)
+
+
+def test_group_norm_act_equals_cupynorm_unfused_in_float32():
+    """The fused op against cupynorm's own group norm then torch's SiLU: the same statistics, so
+    the forward agrees to one rounding and the backward closely (both layouts)."""
+    torch.manual_seed(0)
+    for fmt in ("contiguous", "channels_last"):
+        x = _make((8, 320, 16, 16), "float32", fmt, 1.0).requires_grad_()
+        fused, plain = cnt.GroupNormAct(32, 320).cuda(), cnt.GroupNorm(32, 320).cuda()
+        for m in (fused, plain):
+            torch.nn.init.normal_(m.weight)
+            torch.nn.init.normal_(m.bias)
+        plain.load_state_dict(fused.state_dict())
+        y = fused(x)
+        x2 = x.detach().clone().requires_grad_()
+        y2 = F.silu(plain(x2))
+        torch.testing.assert_close(y, y2, rtol=1e-6, atol=1e-6)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        y2.backward(dy)
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fused.weight.grad, plain.weight.grad, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fused.bias.grad, plain.bias.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_group_norm_act_diffusion_shape_fp16(fmt):
+    """GroupNorm(32, 320) + SiLU fp16 16x320x64x64, the bench row's call, against torch."""
+    torch.manual_seed(0)
+    poison_torch_allocator(256 << 20)
+    x = _make((16, 320, 64, 64), "float16", fmt, 0.5).requires_grad_()
+    m, ref = cnt.GroupNormAct(32, 320).cuda().half(), torch.nn.GroupNorm(32, 320).cuda().half()
+    torch.nn.init.normal_(ref.weight)
+    m.load_state_dict(ref.state_dict())
+    y = m(x)
+    x2 = x.detach().clone().requires_grad_()
+    y2 = F.silu(ref(x2))
+    _close(y.detach(), y2.detach(), "float16", "y", factor=2)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    _close(x.grad, x2.grad, "float16", "dx", factor=2)
+    _close(m.weight.grad, ref.weight.grad, "float16", "dweight", factor=2)
+
+
+def test_group_norm_act_empty_and_no_grad():
+    x = torch.randn(0, 6, 4, 4, device="cuda", requires_grad=True)
+    w = torch.ones(6, device="cuda", requires_grad=True)
+    b = torch.zeros(6, device="cuda", requires_grad=True)
+    y = cnt.group_norm_act(x, 3, w, b)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    torch.testing.assert_close(w.grad, torch.zeros_like(w))
+    torch.testing.assert_close(b.grad, torch.zeros_like(b))
+    with torch.no_grad():
+        x = torch.randn(2, 6, 5, 3, device="cuda")
+        torch.testing.assert_close(
+            cnt.group_norm_act(x, 3, w, b), F.silu(F.group_norm(x, 3, w, b)), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_group_norm_act_under_autocast_runs_in_float32():
+    x = torch.randn(2, 64, 8, 8, device="cuda", dtype=torch.float16)
+    m = cnt.GroupNormAct(8, 64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = m(x)
+        ref = F.silu(F.group_norm(x, 8, m.weight, m.bias, m.eps))
+    assert y.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_cupy_group_norm_act(fmt):
+    cupy = pytest.importorskip("cupy")
+    x = _make((4, 64, 9, 7), "float16", fmt, 2.0)
+    w, b = torch.rand(64, device="cuda") + 0.5, torch.randn(64, device="cuda")
+    expected = F.silu(F.group_norm(x.double(), 16, w.double(), b.double()))
+    xc, wc, bc = (cupy.from_dlpack(t) for t in (x, w, b))
+    yc = cupynorm.group_norm_act(xc, 16, wc, bc)
+    assert isinstance(yc, cupy.ndarray) and yc.dtype == cupy.float16
+    assert yc.strides == xc.strides
+    _close(torch.from_dlpack(yc), expected, "float16", "y")
+    y = cupynorm.group_norm_act(x, 16, w, b, activation="relu")  # a torch tensor in, one out
+    _close(y, F.relu(F.group_norm(x.double(), 16, w.double(), b.double())), "float16", "relu")
+
+
+def test_group_norm_act_cuda_graph_and_compile():
+    torch.manual_seed(0)
+    m = cnt.GroupNormAct(4, 16).cuda()
+    x = torch.randn(4, 16, 9, 9, device="cuda", requires_grad=True)
+    eager = m(x)
+    compiled = torch.compile(copy.deepcopy(m), fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+    def fn(x):  # the fused custom op with its backward under compile
+        return cnt.group_norm_act(x, 4, m.weight, m.bias).square().sum()
+
+    x2 = x.detach().clone().requires_grad_()
+    torch.compile(fn, fullgraph=True)(x2).backward()
+    fn(x).backward()
+    torch.testing.assert_close(x2.grad, x.grad, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    x = x.detach()
+    ref = m(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(x)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = m(x)
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_fuse_gn_resnet_blocks_matches_torch(fmt):
+    """fuse() on the bench's diffusers-style blocks: both norms of each block fused, output and
+    gradients as torch's (fp32, no TF32)."""
+    from cupynorm.bench import models
+
+    torch.manual_seed(0)
+    ref = models._gn_module_classes()["GNResnetBlocks"](64, 2).cuda()
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == [f"{i}.norm{j} + silu" for i in range(2) for j in (1, 2)]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        x = _make((2, 64, 16, 16), "float32", fmt, 1.0)
+        outs = []
+        for m in (model, ref):
+            inp = x.clone().requires_grad_()
+            out = m(inp)
+            out.square().mean().backward()
+            outs.append((out.detach(), inp.grad, m.get_submodule("0.norm1").weight.grad))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    for ours, theirs in zip(*outs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
