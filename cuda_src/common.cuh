@@ -58,6 +58,16 @@ template <> __device__ __forceinline__ bf16_t from_acc<bf16_t>(acc_t v) {
 __device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_acc(double v) { return rsqrt(v); }
 
+// sigmoid(t) = 1 / (1 + exp(-t)), the fused SiLU's: in float with the hardware's approximate
+// exp2 and reciprocal (a few ulp, far below a half-precision output's rounding); expf and an IEEE
+// division made the SiLU epilogue compute-bound (GroupNorm(32) + SiLU fp16 16x320x64x64 on an
+// H200: forward 0.050 ms against the plain GroupNorm's 0.033). Exact in double. Large |t| gives
+// 0 or 1, NaN stays NaN.
+__device__ __forceinline__ float sigmoid_acc(float t) {
+    return __fdividef(1.0f, 1.0f + __expf(-t));
+}
+__device__ __forceinline__ double sigmoid_acc(double t) { return 1.0 / (1.0 + exp(-t)); }
+
 // ---- vector packs: V elements moved as one access (V * sizeof(scalar_t) <= 16 bytes) ----------
 constexpr int VEC = 16 / sizeof(scalar_t);
 

@@ -15,7 +15,7 @@
 //     residual stream), as flash-attn's and Liger's fused add + norm do.
 //   RMS statistic: mean = 0, var = sum_i x_i^2 / L (the mean square), same rstd.
 //   AFFINE_SILU epilogue (GroupNorm + SiLU, the diffusion ResNet block): y_i = silu(t_i) with t_i
-//     the AFFINE value in float32, silu(t) = t / (1 + exp(-t)) as torch's (one rounding, of y).
+//     the AFFINE value in float32, silu(t) = t * sigmoid(t) (common.cuh), one rounding, of y.
 //
 // Mapping: the segment is split into `team` slices of slice_len elements, one CTA each. Each CTA
 // copies its slice into shared memory with cp.async and computes the slice's exact two-pass
@@ -185,7 +185,7 @@ __device__ __forceinline__ void load_row_params(const param_t* __restrict__ p, i
 // affine kernel's code is unchanged).
 template <int EPILOGUE>
 __device__ __forceinline__ acc_t affine_out(acc_t t) {
-    if (EPILOGUE == EPILOGUE_AFFINE_SILU) return t / (acc_t(1) + exp(-t));
+    if (EPILOGUE == EPILOGUE_AFFINE_SILU) return t * sigmoid_acc(t);
     return t;
 }
 

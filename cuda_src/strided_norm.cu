@@ -386,7 +386,7 @@ struct Epilogue {
 template <int ACT>
 __device__ __forceinline__ acc_t activate(acc_t t) {
     if (ACT == ACT_RELU) return t < acc_t(0) ? acc_t(0) : t;  // NaN stays NaN, as torch.relu
-    if (ACT == ACT_SILU) return t / (acc_t(1) + exp(-t));
+    if (ACT == ACT_SILU) return t * sigmoid_acc(t);
     return t;
 }
 
@@ -403,7 +403,7 @@ __device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, co
         if (ACT == ACT_RELU) {
             d = t > acc_t(0) ? d : acc_t(0);
         } else if (ACT == ACT_SILU) {
-            const acc_t s = acc_t(1) / (acc_t(1) + exp(-t));
+            const acc_t s = sigmoid_acc(t);
             d = d * s * (acc_t(1) + t * (acc_t(1) - s));
         }
         g.v[e] = from_acc<scalar_t>(d);
