@@ -17,7 +17,9 @@ from .functional import (
     group_norm,
     instance_norm,
     layer_norm,
+    layer_norm2d,
     rms_norm,
+    rms_norm2d,
     row_norm_add_mul,
 )
 
@@ -33,6 +35,8 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]

@@ -23,7 +23,9 @@ from .functional import (
     group_norm,
     instance_norm,
     layer_norm,
+    layer_norm2d,
     rms_norm,
+    rms_norm2d,
     row_norm_add_mul,
 )
 from .fuse import fuse
@@ -37,7 +39,9 @@ from .modules import (
     InstanceNorm2d,
     InstanceNorm3d,
     LayerNorm,
+    LayerNorm2d,
     RMSNorm,
+    RMSNorm2d,
     RowNormAddMul,
 )
 from .sync_batchnorm import SyncBatchNorm
@@ -52,7 +56,9 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "LayerNorm",
+    "LayerNorm2d",
     "RMSNorm",
+    "RMSNorm2d",
     "RowNormAddMul",
     "add_layer_norm",
     "add_rms_norm",
@@ -63,7 +69,9 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
     "replace_norms",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]

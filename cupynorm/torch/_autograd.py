@@ -17,6 +17,8 @@ from ._kernels import (
     _batch_norm_act_bwd,
     _batch_norm_bwd,
     _batch_norm_fwd,
+    _channel_norm_bwd,
+    _channel_norm_fwd,
     _group_norm_bwd,
     _group_norm_fwd,
     _instance_norm_fwd,
@@ -266,3 +268,39 @@ class _RowNormFunction(torch.autograd.Function):
         return output
 
     backward = staticmethod(once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
+
+
+# ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------
+def _channel_norm_setup(ctx, inputs, output) -> None:
+    # inputs: (x, weight, bias, eps, rms); output: (y, mean, rstd)
+    x, weight = inputs[0], inputs[1]
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+    ctx.set_materialize_grads(False)
+
+
+def _make_channel_norm_backward(bwd):
+    def backward(ctx, dy, _dmean, _drstd):
+        needs = ctx.needs_input_grad
+        if dy is None:
+            return None, None, None, None, None
+        x, weight, mean, rstd = ctx.saved_tensors
+        mask = [needs[0], needs[1], needs[2]]
+        if not any(mask):
+            return None, None, None, None, None
+        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, mask)
+        return dx, dweight, dbias, None, None
+
+    return backward
+
+
+class _ChannelNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        inputs = (x, weight, bias, eps, rms)
+        output = _channel_norm_fwd(*inputs)
+        _channel_norm_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))

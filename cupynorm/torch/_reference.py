@@ -302,3 +302,32 @@ def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
     if output_mask[2]:
         dbias = dys.sum(dim=0).reshape(row).to(_param_dtype(x, weight))
     return dx, dweight, dbias
+
+
+# ---- channel norms: LayerNorm / RMSNorm over dim 1 of (N, C, *spatial), per (sample, pixel) --
+#   the row norm of the (N, *spatial, C) view, C values per row (the math above with D = C);
+#   mean/rstd have shape (N, *spatial) (mean None for RMSNorm); y and dx keep x's memory format
+def _channels_to_rows(x: Tensor) -> Tensor:
+    return x.permute(0, *range(2, x.dim()), 1)
+
+
+def _rows_to_channels(t: Tensor) -> Tensor:
+    return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+
+
+def _channel_norm_fwd_reference(x, weight, bias, eps, rms):
+    fmt = _layout(x) or torch.contiguous_format
+    y, _total, mean, rstd = _row_norm_fwd_reference(
+        _channels_to_rows(x), None, weight, bias, 1, eps, rms
+    )
+    return _rows_to_channels(y).contiguous(memory_format=fmt), mean, rstd
+
+
+def _channel_norm_bwd_reference(dy, x, mean, rstd, weight, output_mask):
+    fmt = _layout(x) or torch.contiguous_format
+    dx, dweight, dbias = _row_norm_bwd_reference(
+        _channels_to_rows(dy), None, _channels_to_rows(x), mean, rstd, weight, 1, output_mask
+    )
+    if dx is not None:
+        dx = _rows_to_channels(dx).contiguous(memory_format=fmt)
+    return dx, dweight, dbias

@@ -34,7 +34,8 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
 
 **Functional API** (:func:`group_norm`, :func:`instance_norm`, :func:`batch_norm`,
 :func:`row_norm_add_mul`, :func:`layer_norm`, :func:`rms_norm`, :func:`add_layer_norm`,
-:func:`add_rms_norm`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
+:func:`add_rms_norm`, and over the channels of ``(N, C, *)`` :func:`layer_norm2d`,
+:func:`rms_norm2d`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
 on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
 other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
@@ -53,6 +54,7 @@ from . import _checks
 from ._autograd import (
     _BatchNormActFunction,
     _BatchNormFunction,
+    _ChannelNormFunction,
     _GroupNormFunction,
     _InstanceNormFunction,
     _RowNormAddMulFunction,
@@ -60,6 +62,7 @@ from ._autograd import (
 )
 from ._kernels import (
     _batch_norm_fwd,
+    _channel_norm_output,
     _group_norm_output,
     _instance_norm_fwd,
     _row_norm_add_mul_fwd,
@@ -68,12 +71,13 @@ from ._kernels import (
 from ._library import (
     batch_norm_act_fwd_op,
     batch_norm_fwd_op,
+    channel_norm_fwd_op,
     group_norm_fwd_op,
     instance_norm_fwd_op,
     row_norm_add_mul_fwd_op,
     row_norm_fwd_op,
 )
-from ._reference import ACTIVATIONS
+from ._reference import ACTIVATIONS, _layout
 
 __all__ = [
     "add_layer_norm",
@@ -83,7 +87,9 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]
 
@@ -181,6 +187,14 @@ def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, 
     ):
         return _RowNormFunction.apply(*args)[:2]
     return _row_norm_output(*args)
+
+
+def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
+    if _traced(x):
+        return channel_norm_fwd_op(x, weight, bias, eps, rms)[0]
+    if _wants_grad(x, weight, bias):
+        return _ChannelNormFunction.apply(x, weight, bias, eps, rms)[0]
+    return _channel_norm_output(x, weight, bias, eps, rms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,3 +622,104 @@ def add_rms_norm(
     if eps is None:
         eps = _default_rms_eps(x)
     return _apply_row_norm(x, residual, weight, None, len(dims), eps, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm and RMSNorm over the channels (dim 1) of (N, C, *), per sample and pixel
+# ---------------------------------------------------------------------------------------------
+def _over_channels(fn, input: Tensor, *args) -> Tensor:
+    """``fn`` (F.layer_norm / F.rms_norm) over the last dim of the channels-last view, as timm's
+    and torchvision's LayerNorm2d compute it, returned in the input's memory format."""
+    rows = input.movedim(1, -1)
+    y = fn(rows, (input.shape[1],), *args).movedim(-1, 1)
+    fmt = _layout(input) or torch.contiguous_format
+    return y.contiguous(memory_format=fmt)
+
+
+def layer_norm2d(
+    input: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Layer normalization over the channels of :math:`(N, C, *)`, per sample and position:
+    what timm's and torchvision's ``LayerNorm2d`` (ConvNeXt) compute.
+
+    Each of the ``C`` values at one sample and spatial position is normalized over the channels:
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s} - \mathrm{E}_c[x_{n,:,s}]}
+            {\sqrt{\mathrm{Var}_c[x_{n,:,s}] + \epsilon}} * \gamma_c + \beta_c
+
+    with the biased variance, accumulated in float32 (float64 for float64 input). That is
+    :func:`torch.nn.functional.layer_norm` over ``(C,)`` of ``input.movedim(1, -1)``, moved back.
+    Under CUDA autocast the computation runs in float32, as torch's ``layer_norm`` does.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)`; CUDA tensors (float16, bfloat16, float32,
+            float64; contiguous or channels_last, other strides are copied) run on cupynorm's
+            kernels, tensors on other devices through :func:`torch.nn.functional.layer_norm`.
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)` (the input's dtype or
+            float32), or None.
+        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input (contiguous or
+          channels_last)
+
+    Example::
+
+        >>> x = torch.randn(8, 96, 56, 56, device="cuda", requires_grad=True)
+        >>> y = cupynorm.torch.layer_norm2d(x, torch.ones(96, device="cuda"))
+        >>> y.sum().backward()
+    """
+    _checks.check_tensor("layer_norm2d", "input", input)
+    if not _use_kernels(input):
+        return _over_channels(F.layer_norm, input, weight, bias, eps)
+    _checks.check_channel_norm("layer_norm2d", F.layer_norm, input, weight, bias, eps)
+    if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
+        input = input.float()
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+    return _apply_channel_norm(input, weight, bias, eps, False)
+
+
+def rms_norm2d(
+    input: Tensor,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    r"""Root-mean-square normalization over the channels of :math:`(N, C, *)`, per sample and
+    position (timm's ``RmsNorm2d``; KernelBench level 1 problem 36 without a weight):
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s}}{\sqrt{\mathrm{E}_c[x_{n,:,s}^2] + \epsilon}} * \gamma_c
+
+    accumulated in float32 (float64 for float64 input): :func:`torch.nn.functional.rms_norm`
+    over ``(C,)`` of ``input.movedim(1, -1)``, moved back. Under CUDA autocast the call goes to
+    torch's own ``rms_norm``.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)` (CUDA tensors as :func:`layer_norm2d`).
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of the type
+            the norm computes in (float32; float64 for float64 input).
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input
+
+    Example::
+
+        >>> x = torch.randn(16, 64, 256, 256, device="cuda")
+        >>> y = cupynorm.torch.rms_norm2d(x, eps=1e-5)
+    """
+    _checks.check_tensor("rms_norm2d", "input", input)
+    if not _use_kernels(input) or torch.is_autocast_enabled():
+        return _over_channels(F.rms_norm, input, weight, eps)
+    _checks.check_channel_norm("rms_norm2d", F.rms_norm, input, weight, None, eps)
+    if eps is None:
+        eps = _default_rms_eps(input)
+    return _apply_channel_norm(input, weight, None, eps, True)
