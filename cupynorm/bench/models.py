@@ -231,3 +231,43 @@ def epilogue_module_classes() -> dict[str, type]:
 
     _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU)
     return _EPILOGUE_CLASSES
+
+
+_CHANNEL_NORM_CLASSES: dict[str, type] = {}
+
+
+def channel_norm_module_classes() -> dict[str, type]:
+    """The eager side of the channel-norm rows: KernelBench level 1 problem 36's RMS over dim 1
+    (ChannelRMS, its formula in torch operations) and timm's / torchvision's LayerNorm2d
+    (PermuteLayerNorm2d: permute, layer_norm, permute back; the parameters of nn.LayerNorm)."""
+    if _CHANNEL_NORM_CLASSES:
+        return _CHANNEL_NORM_CLASSES
+    import torch.nn.functional as F
+    from torch import nn
+
+    class ChannelRMS(nn.Module):
+        def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+            super().__init__()
+            self.num_features, self.eps = num_features, eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + self.eps)
+
+    class ChannelRMSCupynorm(ChannelRMS):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            import cupynorm.torch as cnt
+
+            return cnt.rms_norm2d(x, eps=self.eps)
+
+    class PermuteLayerNorm2d(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.permute(0, 2, 3, 1)
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return x.permute(0, 3, 1, 2)
+
+    _CHANNEL_NORM_CLASSES.update(
+        ChannelRMS=ChannelRMS,
+        ChannelRMSCupynorm=ChannelRMSCupynorm,
+        PermuteLayerNorm2d=PermuteLayerNorm2d,
+    )
+    return _CHANNEL_NORM_CLASSES

@@ -45,6 +45,7 @@ class ModuleSpec:
                 **models.seed002_module_classes(),
                 **models.row_norm_module_classes(),
                 **models.epilogue_module_classes(),
+                **models.channel_norm_module_classes(),
             }
             cls = classes[self.class_name]
         else:
@@ -108,6 +109,9 @@ _SD_GROUPNORM = (16, 320, 64, 64)
 _FWDBWD_TRAFFIC = "fwd: read x, write y; bwd: read x, read dy, write dx (5 passes)"
 _LLM_ROWS = (8192, 4096)  # tokens x hidden: a transformer's pre-norm input
 _KB40 = (16, 64, 256, 256)
+_KB36 = (112, 64, 512, 512)  # KernelBench level 1 problem 36: RMS over the 64 channels
+_KB36_QUICK = (28, 64, 512, 512)
+_CONVNEXT_T = (64, 96, 56, 56)  # ConvNeXt-T's first stage (LayerNorm2d after the stem) at batch 64
 _BN_ADD_RELU = (256, 256, 56, 56)  # a resnet50 bottleneck's tail at batch 256
 _BN_ADD_RELU_QUICK = (64, 256, 56, 56)  # KernelBench level 1 problem 40: LayerNorm((64, 256, 256))
 
@@ -248,6 +252,37 @@ WORKLOADS: tuple[Workload, ...] = (
         input_shapes=(_KB40,),
         quick_input_shapes=((4, 64, 256, 256),),
         goal_ms=0.14,
+    ),
+    Workload(
+        name="rmsnorm2d_kb36_fp32",
+        title="KernelBench L1-36: RMS over the channels (dim 1) fp32 112x64x512x512 fwd",
+        eager=ModuleSpec("bench", "ChannelRMS", (64,)),
+        cupynorm=ModuleSpec("bench", "ChannelRMSCupynorm", (64,)),
+        input_shapes=(_KB36,),
+        quick_input_shapes=(_KB36_QUICK,),
+        goal_ms=3.9,
+    ),
+    Workload(
+        name="layernorm2d_bf16",
+        title="LayerNorm2d(96) (ConvNeXt) bf16 NCHW 64x96x56x56 fwd",
+        eager=ModuleSpec("bench", "PermuteLayerNorm2d", (96,), (("eps", 1e-6),)),
+        cupynorm=ModuleSpec("cupynorm.torch", "LayerNorm2d", (96,), (("eps", 1e-6),)),
+        input_shapes=(_CONVNEXT_T,),
+        dtype="bfloat16",
+        goal_text="<= compile",
+    ),
+    Workload(
+        name="layernorm2d_fwdbwd_bf16_cl",
+        title="LayerNorm2d(96) (ConvNeXt) bf16 channels_last 64x96x56x56 fwd+bwd",
+        eager=ModuleSpec("bench", "PermuteLayerNorm2d", (96,), (("eps", 1e-6),)),
+        cupynorm=ModuleSpec("cupynorm.torch", "LayerNorm2d", (96,), (("eps", 1e-6),)),
+        input_shapes=(_CONVNEXT_T,),
+        dtype="bfloat16",
+        channels_last=True,
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_text="<= compile",
     ),
     Workload(
         name="add_rmsnorm_bf16",

@@ -57,6 +57,15 @@ _OPT_IN = frozenset(_ROW_NORMS)
 
 
 _OURS = tuple(set(_REPLACEMENTS.values()))
+# norms over the channels (dim 1) of (N, C, *): timm's and torchvision's LayerNorm2d (subclasses
+# of torch.nn.LayerNorm that permute), timm's RmsNorm2d (a plain Module with RMSNorm's
+# attributes). Recognised by a probe of what their forward computes, converted when ``include``
+# names torch.nn.LayerNorm / torch.nn.RMSNorm (opt-in, as the row norms).
+_CHANNEL_NORMS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
+    torch.nn.LayerNorm: modules.LayerNorm2d,
+    torch.nn.RMSNorm: modules.RMSNorm2d,
+}
+_OURS = (*_OURS, *_CHANNEL_NORMS.values())
 # (N, C) -> probe input shape per torch.nn class: small, several values per statistic
 _PROBE_SPATIAL = {
     torch.nn.InstanceNorm1d: (5,),
@@ -156,6 +165,69 @@ def _adopted(cls: type, base: type, tail: tuple[str, ...]) -> type:
     return _ADOPTED[key]
 
 
+def _channel_norm_of(module: torch.nn.Module, kinds: set[type]) -> type | None:
+    """LayerNorm2d / RMSNorm2d when ``module`` (not a torch.nn norm class itself) holds a
+    normalized_shape of one int, an eps, a weight (and bias) and nothing else, and its forward
+    computes layer_norm / rms_norm over dim 1 of (N, C, H, W) input: checked on a float64 copy
+    and random input against the permute + torch norm of timm's / torchvision's LayerNorm2d."""
+    if type(module) in _REPLACEMENTS or isinstance(module, _OURS):
+        return None
+    shape, eps = getattr(module, "normalized_shape", None), getattr(module, "eps", None)
+    if not (isinstance(shape, tuple) and len(shape) == 1 and isinstance(shape[0], int)):
+        return None
+    if not (eps is None or isinstance(eps, float)):
+        return None
+    if next(module.children(), None) is not None or next(module.buffers(), None) is not None:
+        return None
+    names = {name for name, _ in module.named_parameters()}
+    if not names <= {"weight", "bias"} or not hasattr(module, "weight"):
+        return None
+    param = next(module.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type == "meta":
+        return None
+    generator = torch.Generator(device=device).manual_seed(0)
+    probe = torch.randn((2, shape[0], 3, 4), generator=generator, device=device)
+    probe = probe.double()
+    copied = copy.deepcopy(module).double()
+    weight, bias = getattr(copied, "weight", None), getattr(copied, "bias", None)
+    rows = probe.permute(0, 2, 3, 1)
+    candidates = []
+    if torch.nn.LayerNorm in kinds and eps is not None:
+        layer = torch.nn.functional.layer_norm(rows, shape, weight, bias, eps)
+        candidates.append((torch.nn.LayerNorm, layer))
+    if torch.nn.RMSNorm in kinds and bias is None:
+        candidates.append(
+            (torch.nn.RMSNorm, torch.nn.functional.rms_norm(rows, shape, weight, eps))
+        )
+    if not candidates:
+        return None
+    try:
+        with torch.no_grad():
+            got = type(module).forward(copied, probe)
+    except Exception:  # noqa: BLE001 - a forward that fails on the probe is not a channel norm
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape:
+        return None
+    for base, expected in candidates:
+        if torch.allclose(got, expected.permute(0, 3, 1, 2), rtol=1e-10, atol=1e-10):
+            return _CHANNEL_NORMS[base]
+    return None
+
+
+def _adopted_channel_norm(cls: type, ours: type) -> type:
+    """A class of cupynorm's channel norm ``ours`` over ``cls`` (made once per class)."""
+    key = (cls, ("channels",))
+    if key not in _ADOPTED:
+        namespace = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "__doc__": cls.__doc__,
+        }
+        _ADOPTED[key] = type(cls.__name__, (ours, cls), namespace)
+    return _ADOPTED[key]
+
+
 def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
     if classes is None:
         return set()
@@ -185,6 +257,10 @@ def replace_norms(
     (timm's norm-act layers; see the module docstring), and left alone with a warning otherwise
     (a subclass of ``SyncBatchNorm`` only when it inherits ``forward``: it is not probed, a probe
     could run a collective).
+    Norms over the channels of (N, C, *) -- timm's and torchvision's ``LayerNorm2d``, timm's
+    ``RmsNorm2d`` -- are recognised by a probe of their forward and become
+    :class:`cupynorm.torch.LayerNorm2d` / :class:`~cupynorm.torch.RMSNorm2d` when ``include``
+    names ``LayerNorm`` / ``RMSNorm``.
     The converted modules keep their parameters and buffers (the same tensor objects), device,
     dtype, training mode and hooks. On the CPU they compute exactly as before; on CUDA they run
     cupynorm's kernels. A converted subclass has a class made at conversion time: save the
@@ -217,11 +293,15 @@ def replace_norms(
         cls = type(module)
         base = _torch_base(cls)
         if base is None or base not in kinds:
+            if kinds & set(_CHANNEL_NORMS) and (channel := _channel_norm_of(module, kinds)):
+                module.__class__ = _adopted_channel_norm(cls, channel)
             continue
         if cls is base:
             module.__class__ = _REPLACEMENTS[cls]
         elif (tail := _tail(module, base)) is not None:
             module.__class__ = _adopted(cls, base, tail)
+        elif (channel := _channel_norm_of(module, kinds)) is not None:
+            module.__class__ = _adopted_channel_norm(cls, channel)
         else:
             name = f"{cls.__module__}.{cls.__qualname__}"
             left_alone[name] = left_alone.get(name, 0) + 1
