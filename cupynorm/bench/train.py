@@ -80,8 +80,8 @@ COMPILE_OPTIONS: dict[str, Any] = {}
 # Lower-case pieces of kernel names counted as norm kernels: torch's BatchNorm (native and
 # cuDNN: batch_norm_*, welford_*, bn_*), torch's GroupNorm (RowwiseMoments, ComputeFusedParams,
 # GroupNorm*Kernel lambdas, the backward's gradient kernels), cupynorm's (cuda_src/*.cu:
-# segment_norm_*, strided_norm_*, channel_norm_*, and fused_norm_*, which also do the add and activation they
-# absorbed). Layout copies a norm makes around its kernels are not counted.
+# segment_norm_*, strided_norm_*, channel_norm_*, and fused_norm_*, which also do the add and
+# activation they absorbed). Layout copies a norm makes around its kernels are not counted.
 NORM_KERNEL_PATTERNS = (
     "batch_norm",
     "batchnorm",
