@@ -17,8 +17,8 @@
 // packs of channels c = ty, ty + CY, ... (at most CPT of them: the host picks CY = ceil(C / CPT)).
 // A warp's lanes run along tx, so each load of a warp is PX * 16 contiguous bytes of one channel
 // row. The per-pixel sums over the CY threads of a column go through shared memory in a fixed
-// order (bitwise reproducible); LayerNorm is an exact two-pass over the registers (mean, then the
-// squared deviations): one read and one write of x, nothing re-read.
+// order (bitwise reproducible); LayerNorm's statistics are passes over the registers (mean, its
+// correction, then the squared deviations): one read and one write of x, nothing re-read.
 //
 // The backward's dx kernel walks tiles grid-stride with a grid of resident CTAs; each thread keeps
 // its channels' dweight / dbias sums in registers, the CTA folds them over tx into one fp32
@@ -85,9 +85,12 @@ __device__ __forceinline__ void channel_fwd(const scalar_t* __restrict__ x, scal
     }
     column_sum<V>(s, red);
     const acc_t inv_c = acc_t(1) / acc_t(C);
-    acc_t m[V], r[V];
+    // LayerNorm: x - mean as (x - m) - e, with m the rounded mean of the first sum and e the mean
+    // of x - m (a second pass over the registers): data whose mean dwarfs its spread keeps the
+    // digits a rounded fp32 mean would lose
+    acc_t m[V], e[V], r[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) m[j] = RMS ? acc_t(0) : s[j] * inv_c;
+    for (int j = 0; j < V; ++j) m[j] = RMS ? acc_t(0) : s[j] * inv_c, e[j] = 0;
     if (RMS) {
 #pragma unroll
         for (int j = 0; j < V; ++j) r[j] = rsqrt_acc(s[j] * inv_c + eps);
@@ -98,8 +101,17 @@ __device__ __forceinline__ void channel_fwd(const scalar_t* __restrict__ x, scal
         for (int k = 0; k < CHANNEL_FWD_CPT; ++k) {
             if (!(live && ty + k * CY < C)) continue;
 #pragma unroll
+            for (int j = 0; j < V; ++j) s[j] += to_acc(v[k].v[j]) - m[j];
+        }
+        column_sum<V>(s, red);
+#pragma unroll
+        for (int j = 0; j < V; ++j) e[j] = s[j] * inv_c, s[j] = 0;
+#pragma unroll
+        for (int k = 0; k < CHANNEL_FWD_CPT; ++k) {
+            if (!(live && ty + k * CY < C)) continue;
+#pragma unroll
             for (int j = 0; j < V; ++j) {
-                const acc_t d = to_acc(v[k].v[j]) - m[j];
+                const acc_t d = (to_acc(v[k].v[j]) - m[j]) - e[j];
                 s[j] += d * d;
             }
         }
@@ -111,7 +123,7 @@ __device__ __forceinline__ void channel_fwd(const scalar_t* __restrict__ x, scal
     if (ty == 0) {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            if (mean != nullptr) mean[n * S + p * V + j] = m[j];
+            if (mean != nullptr) mean[n * S + p * V + j] = m[j] + e[j];
             if (rstd != nullptr) rstd[n * S + p * V + j] = r[j];
         }
     }
@@ -124,7 +136,7 @@ __device__ __forceinline__ void channel_fwd(const scalar_t* __restrict__ x, scal
         Pack<V> out;
 #pragma unroll
         for (int j = 0; j < V; ++j)
-            out.v[j] = from_acc<scalar_t>((to_acc(v[k].v[j]) - m[j]) * r[j] * w + b);
+            out.v[j] = from_acc<scalar_t>(((to_acc(v[k].v[j]) - m[j]) - e[j]) * r[j] * w + b);
         store_pack<V>(yn + c * S, p, out);
     }
 }

@@ -134,7 +134,11 @@ def test_offset_data_keeps_its_digits(layout, dtype):
     """Mean 1e4, std 1 per pixel: the variance is a two-pass over registers, not E[x^2]-E[x]^2."""
     x = rand((2, 64, 16, 16), dtype, LAYOUTS[layout], offset=1e4)
     poison_torch_allocator()
-    close(cnt.layer_norm2d(x), reference(x, None, None, False, 1e-5), 1e-3)
+    ref = reference(x, None, None, False, 1e-5)
+    ours = (cnt.layer_norm2d(x).double() - ref).abs().max().item()
+    theirs = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), eps=1e-5).permute(0, 3, 1, 2)
+    # no larger than torch's own error on the same data (fp32 holds x itself to ~1e-3 here)
+    assert ours <= max(1.5 * (theirs.double() - ref).abs().max().item(), 1e-12)
 
 
 def test_misaligned_strided_and_3d_inputs():

@@ -242,6 +242,7 @@ def channel_norm_module_classes() -> dict[str, type]:
     (PermuteLayerNorm2d: permute, layer_norm, permute back; the parameters of nn.LayerNorm)."""
     if _CHANNEL_NORM_CLASSES:
         return _CHANNEL_NORM_CLASSES
+    import torch
     import torch.nn.functional as F
     from torch import nn
 
