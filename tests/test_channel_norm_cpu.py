@@ -148,7 +148,7 @@ def test_replace_norms_converts_timm_and_torchvision_channel_norms_when_included
         modules.append(TorchvisionLayerNorm2d(8, eps=1e-6))
     except ImportError:
         pass
-    model = nn.Sequential(*modules, nn.LayerNorm(8), nn.Conv2d(8, 8, 1))
+    model = nn.Sequential(*modules, nn.LayerNorm(6), nn.Conv2d(8, 8, 1))  # LayerNorm: over W
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape))

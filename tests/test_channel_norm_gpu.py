@@ -76,6 +76,18 @@ def close(out, ref, tol):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+def close_or_like_torch(out, theirs, ref, tol):
+    """Within ``tol`` of the float64 ``ref``, or no farther from it than twice torch's own
+    result ``theirs`` (ill-conditioned cases: a few channels of nearly equal values, where the
+    half-precision rounding of dy alone moves dx by more than ``tol``)."""
+    try:
+        close(out, ref, tol)
+    except AssertionError:
+        ours_err = (out.double() - ref).abs().max().item()
+        theirs_err = (theirs.double() - ref).abs().max().item()
+        assert ours_err <= 2 * theirs_err, f"error {ours_err} > 2 x torch's {theirs_err}"
+
+
 # ---- forward ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("shape_id", list(SHAPES))
@@ -137,8 +149,10 @@ def test_offset_data_keeps_its_digits(layout, dtype):
     ref = reference(x, None, None, False, 1e-5)
     ours = (cnt.layer_norm2d(x).double() - ref).abs().max().item()
     theirs = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), eps=1e-5).permute(0, 3, 1, 2)
-    # no larger than torch's own error on the same data (fp32 holds x itself to ~1e-3 here)
-    assert ours <= max(1.5 * (theirs.double() - ref).abs().max().item(), 1e-12)
+    # no larger than torch's own error on the same data (fp32 holds x itself to ~1e-3 here),
+    # give or take a few float64 ulps of the offset
+    slack = 16 * 1e4 * torch.finfo(torch.float64).eps
+    assert ours <= 1.5 * (theirs.double() - ref).abs().max().item() + slack
 
 
 def test_misaligned_strided_and_3d_inputs():
@@ -203,10 +217,19 @@ def test_backward_matches_float64(dtype, shape_id, layout, rms):
     refs = [t.detach().double().requires_grad_() for t in leaves]
     ref_out = reference(refs[0], refs[1], refs[2] if b is not None else None, rms, 1e-5)
     expected = torch.autograd.grad((ref_out * dy).sum(), refs)
+    # torch's own gradients of the same half-precision computation (timm's LayerNorm2d)
+    mine = [t.detach().clone().requires_grad_() for t in leaves]
+    rows = mine[0].permute(0, *range(2, x.dim()), 1)
+    torch_out = (
+        F.rms_norm(rows, (shape[1],), mine[1], 1e-5)
+        if rms
+        else F.layer_norm(rows, (shape[1],), mine[1], mine[2], 1e-5)
+    ).permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+    theirs = torch.autograd.grad((torch_out.double() * dy).sum(), mine)
     pixels = shape[0] * math.prod(shape[2:])
-    close(got[0], expected[0], GRAD_TOL[dtype])
-    for g, e in zip(got[1:], expected[1:], strict=True):
-        close(g, e, GRAD_TOL[dtype] * math.sqrt(pixels))
+    tols = [GRAD_TOL[dtype]] + [GRAD_TOL[dtype] * math.sqrt(pixels)] * (len(got) - 1)
+    for g, t, e, tol in zip(got, theirs, expected, tols, strict=True):
+        close_or_like_torch(g, t, e, tol)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -287,5 +310,15 @@ def test_timm_convnext_block_converted_matches():
     ours.load_state_dict(model.state_dict())
     assert isinstance(ours[1], cnt.LayerNorm2d), timm.__version__
     x = rand((2, 3, 20, 20), "float32").float()
-    torch.testing.assert_close(ours(x), model(x), atol=1e-5, rtol=1e-5)
-    torch.autograd.grad(ours(x).sum(), list(ours.parameters()))
+    # TF32 convolutions would round the norm's last-bit differences into ~1e-3 ones
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        torch.testing.assert_close(ours(x), model(x), atol=1e-5, rtol=1e-5)
+        dy = torch.randn(2, 8, 20, 20, device="cuda")
+        got = torch.autograd.grad(ours(x), list(ours.parameters()), dy)
+        expected = torch.autograd.grad(model(x), list(model.parameters()), dy)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
