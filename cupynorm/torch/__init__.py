@@ -23,6 +23,7 @@ from .functional import (
     group_norm,
     instance_norm,
     layer_norm,
+    llama_rms_norm,
     rms_norm,
     row_norm_add_mul,
 )
@@ -37,6 +38,7 @@ from .modules import (
     InstanceNorm2d,
     InstanceNorm3d,
     LayerNorm,
+    LlamaRMSNorm,
     RMSNorm,
     RowNormAddMul,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "LayerNorm",
+    "LlamaRMSNorm",
     "RMSNorm",
     "RowNormAddMul",
     "add_layer_norm",
@@ -63,6 +66,7 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "layer_norm",
+    "llama_rms_norm",
     "replace_norms",
     "rms_norm",
     "row_norm_add_mul",
