@@ -132,9 +132,7 @@ def test_kernel_route_float32_weight_beside_half_input(kernel_path):
     y, yr = cnt.llama_rms_norm(x, theirs.weight, 1e-5), theirs(x)
     assert y.dtype == yr.dtype == torch.float32
     torch.testing.assert_close(y, yr, rtol=0, atol=0)
-    for u, v in zip(
-        _grads(y, [x, theirs.weight]), _grads(yr, [x, theirs.weight]), strict=True
-    ):
+    for u, v in zip(_grads(y, [x, theirs.weight]), _grads(yr, [x, theirs.weight]), strict=True):
         torch.testing.assert_close(u, v, rtol=2e-2, atol=2e-2)
 
 
