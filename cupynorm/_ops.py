@@ -420,6 +420,7 @@ def row_norm_fwd(
     rms: bool,
     *,
     want_stats: bool = True,
+    cast: bool = False,
 ) -> tuple:
     """(y, sum, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over rows of ``row_len``.
 
@@ -427,6 +428,8 @@ def row_norm_fwd(
     rows are s = x + residual (rounded to x's dtype) and ``sum`` is s, else None. weight/bias:
     row_len values (by position in the row) or None. mean, rstd: (rows,) in the accumulator's
     dtype; mean is None for RMSNorm, both None without ``want_stats`` (inference).
+    ``cast`` (RMSNorm without bias): Hugging Face's LlamaRMSNorm numerics, the normalized value
+    rounded to x's dtype before the weight multiplies it (the ROW_CAST epilogue).
     """
     call = _Call(x, weight if weight is not None else bias)
     bk = call.bk
@@ -446,6 +449,8 @@ def row_norm_fwd(
                 bk.fill_nan(stat)
         return y, total, mean, rstd
     kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
+    if cast:
+        kernel = "segment_norm_fwd_rms_cast"
     plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, residual, total, y), call.info)
     if plan is not None:
         # fmt: off
@@ -474,7 +479,8 @@ def row_norm_fwd(
         # fmt: on
     tiles = _plan.plan_rows_tiles(D, call.itemsize, call.aligned(source, y))
     # fmt: off
-    call.launch(_SEGMENT, "segment_norm_apply_rows", rows * tiles.tiles, (tiles.threads,), (
+    apply = "segment_norm_apply_rows_cast" if cast else "segment_norm_apply_rows"
+    call.launch(_SEGMENT, apply, rows * tiles.tiles, (tiles.threads,), (
         call.ptr(source), call.ptr(y), call.ptr(weight), call.ptr(bias),
         call.ptr(None if rms else row_mean), call.ptr(row_rstd), np.int64(D),
         np.int64(tiles.tiles), np.int64(tiles.tile_len), np.int32(tiles.vectorized)))
@@ -492,8 +498,11 @@ def row_norm_bwd(
     weight: Any,
     row_len: int,
     needs_input_grad: tuple[bool, bool, bool],
+    *,
+    cast: bool = False,
 ) -> tuple:
-    """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm.
+    """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm;
+    ``cast``: of the forward with ``cast`` (dweight sums dy times xhat rounded to x's dtype).
 
     x: the normalized input (the sum s with a residual); dsum: the incoming gradient of s, added
     to dx, or None. dx is then the gradient of both x and residual. dweight and dbias come in the
@@ -535,13 +544,14 @@ def row_norm_bwd(
                         (call.ptr(tile_sums), call.ptr(row_sums), np.int64(rows),
                          np.int64(tiles.tiles)))
             # fmt: on
-    most = call.threads(_SEGMENT, "segment_norm_bwd_rows_dx", _plan.BLOCK_THREADS)
+    dx_kernel = "segment_norm_bwd_rows_dx_cast" if cast else "segment_norm_bwd_rows_dx"
+    most = call.threads(_SEGMENT, dx_kernel, _plan.BLOCK_THREADS)
     plan = _plan.plan_rows_backward(rows, D, call.itemsize, aligned, call.info, most)
     dweight_part = call.stats((plan.groups * D,), x) if want_dw else None
     dbias_part = call.stats((plan.groups * D,), x) if want_db else None
     if want_dx or want_dw or want_db:
         # fmt: off
-        call.launch(_SEGMENT, "segment_norm_bwd_rows_dx", plan.col_tiles * plan.groups,
+        call.launch(_SEGMENT, dx_kernel, plan.col_tiles * plan.groups,
                     (plan.threads,), (
             call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
             call.ptr(rstd), call.ptr(row_sums), call.ptr(dx), call.ptr(dweight_part),

@@ -179,3 +179,14 @@ def test_a_module_computing_something_else_is_not_a_channel_norm():
     with pytest.warns(UserWarning, match="left alone"):
         cnt.replace_norms(model, include=(nn.LayerNorm,))
     assert type(model[0]) is Scaled
+
+
+def test_timm_rms_norm2d_with_llama_included_is_still_a_channel_norm():
+    """Its class name says RMSNorm, so the Llama probe looks at it first; not of that formula,
+    it goes on to the channel-norm probe instead of being left alone."""
+    timm_layers = pytest.importorskip("timm.layers")
+    model = nn.Sequential(timm_layers.RmsNorm2d(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnt.replace_norms(model, include=(nn.RMSNorm, cnt.LlamaRMSNorm))
+    assert isinstance(model[0], cnt.RMSNorm2d)

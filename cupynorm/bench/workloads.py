@@ -361,6 +361,11 @@ class ModelWorkload:
     # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
     accuracy_batch: int | None = None
     goal_text: str = ""  # e.g. ">= 1.15x torch eager"
+    # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), or "llama_rms_norm"
+    # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
+    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md).
+    convert: str = "fuse"
+    layers: int = 0  # decoder layers of a transformer model (the llama factory)
 
     def describe_input(self) -> str:
         """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""
@@ -380,6 +385,11 @@ _EFFICIENTNET_TITLE = (
 _GN_BLOCKS_TITLE = (
     "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
     "8 GroupNorm) training step, fp16, SGD"
+)
+
+_LLAMA_TITLE = (
+    "transformers LlamaForCausalLM (random init, 8 layers, hidden 2048, 17 LlamaRMSNorm, vocab "
+    "32000, fed embeddings) training step, bf16, SGD"
 )
 
 MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
@@ -428,6 +438,21 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         dtype="float16",
         loss="mse",
         lr=1e-5,
+    ),
+    ModelWorkload(
+        name="llama_8l_h2048_s2048_b4_bf16",
+        title=_LLAMA_TITLE,
+        model="llama",
+        input_shape=(4, 2048, 2048),  # batch, sequence, hidden: the input embeddings
+        dtype="bfloat16",
+        loss="token_cross_entropy",
+        num_classes=32000,  # the vocabulary
+        lr=1e-3,
+        # float64 at batch 4 (and its fp64 attention matrices) would take ~20 GB and seconds of
+        # fp64 matmuls: batch 1 shows the same per-token numerics
+        accuracy_batch=1,
+        convert="llama_rms_norm",
+        layers=8,
     ),
 )
 

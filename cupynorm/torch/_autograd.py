@@ -88,12 +88,14 @@ def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
 
 
 def _row_norm_setup(ctx, inputs, output) -> None:
-    # inputs: (x, residual, weight, bias, ndim, eps, rms); output: (y, sum, mean, rstd)
-    x, residual, weight, _bias, ndim, _eps, _rms = inputs
+    # inputs: (x, residual, weight, bias, ndim, eps, rms[, cast]); output: (y, sum, mean, rstd)
+    x, residual, weight, _bias, ndim, _eps, _rms = inputs[:7]
     _y, total, mean, rstd = output
     # the rows that were normalized: the sum when there is a residual
     ctx.save_for_backward(x if residual is None else total, weight, mean, rstd)
     ctx.ndim = ndim
+    ctx.cast = bool(inputs[7]) if len(inputs) > 7 else False
+    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
     ctx.set_materialize_grads(False)
 
@@ -110,9 +112,9 @@ def _make_row_norm_backward(bwd):
         if dy is not None:
             mask = [want_x, needs[2], needs[3]]
             if any(mask):
-                dx, dweight, dbias = bwd(
-                    dy, dsum if want_x else None, normalized, mean, rstd, weight, ctx.ndim, mask
-                )
+                dsum_x = dsum if want_x else None
+                args = (dy, dsum_x, normalized, mean, rstd, weight, ctx.ndim, mask)
+                dx, dweight, dbias = bwd(*args, ctx.cast) if ctx.cast else bwd(*args)
         elif want_x:
             dx = dsum
         return (
@@ -123,7 +125,8 @@ def _make_row_norm_backward(bwd):
             None,
             None,
             None,
-        )
+            None,
+        )[: ctx.n_inputs]
 
     return backward
 
@@ -261,8 +264,8 @@ class _RowNormAddMulFunction(torch.autograd.Function):
 
 class _RowNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, ndim, eps, rms):
-        inputs = (x, residual, weight, bias, ndim, eps, rms)
+    def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False):
+        inputs = (x, residual, weight, bias, ndim, eps, rms, cast)
         output = _row_norm_fwd(*inputs)
         _row_norm_setup(ctx, inputs, output)
         return output

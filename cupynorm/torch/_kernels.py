@@ -389,19 +389,27 @@ def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.shape[: x.dim() - ndim]), tuple(x.shape[x.dim() - ndim :])
 
 
-def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=True):
+def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast=False, want_stats=True):
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     batch, row = _split(x, ndim)
     y, total, mean, rstd = _host().row_norm_fwd(
-        x, residual, _vec(weight), _vec(bias), math.prod(row), eps, rms, want_stats=want_stats
+        x,
+        residual,
+        _vec(weight),
+        _vec(bias),
+        math.prod(row),
+        eps,
+        rms,
+        want_stats=want_stats,
+        **({"cast": True} if cast else {}),
     )
     mean = None if mean is None else mean.reshape(batch)
     rstd = None if rstd is None else rstd.reshape(batch)
     return y, total, mean, rstd
 
 
-def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     _batch, row = _split(x, ndim)
     dsum = None if dsum is None else dsum.contiguous()
     mean = None if mean is None else mean.contiguous()
@@ -414,6 +422,7 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
         _vec(weight),
         math.prod(row),
         tuple(output_mask),
+        **({"cast": True} if cast else {}),
     )
     pdtype = _param_dtype(x, weight)
     dx = dx.reshape(x.shape) if output_mask[0] else None
@@ -422,26 +431,27 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
     return dx, dweight, dbias
 
 
-def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms, cast=False):
     if x.is_cuda:
-        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms)
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)
+        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast)
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)
 
 
-def _row_norm_output(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_output(x, residual, weight, bias, ndim, eps, rms, cast=False):
     """(y, sum) alone (no autograd)."""
     if x.is_cuda:
-        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=False)[:2]
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)[:2]
+        args = (x, residual, weight, bias, ndim, eps, rms, cast)
+        return _row_norm_fwd_cuda(*args, want_stats=False)[:2]
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)[:2]
 
 
-def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     if x.is_cuda:
-        return _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
-    return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
+        return _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast)
+    return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast)
 
 
-def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms, cast=False):
     batch, _row = _split(x, ndim)
     rstd = x.new_empty(batch, dtype=_stat_dtype(x.dtype))
     mean = None if rms else torch.empty_like(rstd)
@@ -450,7 +460,7 @@ def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms):
     return y, total, mean, rstd
 
 
-def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     _batch, row = _split(x, ndim)
     pdtype = _param_dtype(x, weight)
     return (

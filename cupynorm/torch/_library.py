@@ -16,9 +16,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
                        bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
-    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms)
+    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False)
         -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
-    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask)
+                                    # cast: LlamaRMSNorm's rounding of xhat before the weight
+    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask, cast=False)
         -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
     channel_norm_fwd(x, weight?, bias?, eps, rms)
         -> (y, mean?, rstd)          # LayerNorm / RMSNorm over dim 1, stats (N, *spatial)
@@ -141,11 +142,12 @@ _SCHEMAS = {
     ),
     "row_norm_fwd": (
         "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
-        " float eps, bool rms) -> (Tensor, Tensor?, Tensor?, Tensor)"
+        " float eps, bool rms, bool cast=False) -> (Tensor, Tensor?, Tensor?, Tensor)"
     ),
     "row_norm_bwd": (
         "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
-        " Tensor? weight, int ndim, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+        " Tensor? weight, int ndim, bool[3] output_mask, bool cast=False)"
+        " -> (Tensor?, Tensor?, Tensor?)"
     ),
     "channel_norm_fwd": (
         "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms)"

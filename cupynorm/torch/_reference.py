@@ -255,7 +255,9 @@ def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
 #   backward, g = dy * weight, <.> the mean over the row:
 #     dx = rstd * (g - <g> - xhat * <g xhat>)   (RMSNorm: without <g>), plus dsum if given
 #     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
-def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
+#   cast (RMSNorm of Hugging Face's LlamaRMSNorm): xhat is rounded to x's dtype before the weight
+#     multiplies it, and dweight sums dy * that rounded xhat; dx as RMSNorm's
+def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast=False):
     total = None
     if residual is not None:
         total = (x + residual).contiguous()
@@ -267,6 +269,8 @@ def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
         mean = None
         rstd = torch.rsqrt(xs.square().mean(dim=1) + eps)
         xhat = xs * rstd[:, None]
+        if cast:
+            xhat = xhat.to(x.dtype).to(stat)
     else:
         var, mean = torch.var_mean(xs, dim=1, correction=0)
         rstd = torch.rsqrt(var + eps)
@@ -280,7 +284,7 @@ def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
     return y, total, mean, rstd.reshape(batch)
 
 
-def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     stat = _stat_dtype(x.dtype)
     row = x.shape[x.dim() - ndim :]
     D = math.prod(row)
@@ -298,6 +302,8 @@ def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
             dxs = dxs + dsum.to(stat).reshape(-1, D)
         dx = dxs.reshape(x.shape).to(x.dtype).contiguous()
     if output_mask[1]:
+        if cast:
+            xhat = xhat.to(x.dtype).to(stat)
         dweight = (dys * xhat).sum(dim=0).reshape(row).to(_param_dtype(x, weight))
     if output_mask[2]:
         dbias = dys.sum(dim=0).reshape(row).to(_param_dtype(x, weight))

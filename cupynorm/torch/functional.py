@@ -34,8 +34,9 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
 
 **Functional API** (:func:`group_norm`, :func:`instance_norm`, :func:`batch_norm`,
 :func:`row_norm_add_mul`, :func:`layer_norm`, :func:`rms_norm`, :func:`add_layer_norm`,
-:func:`add_rms_norm`, and over the channels of ``(N, C, *)`` :func:`layer_norm2d`,
-:func:`rms_norm2d`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
+:func:`add_rms_norm`, over the channels of ``(N, C, *)`` :func:`layer_norm2d`,
+:func:`rms_norm2d`; :func:`llama_rms_norm`, Hugging Face's LlamaRMSNorm formula):
+``torch.nn.functional`` semantics and argument names; CUDA tensors run
 on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
 other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
@@ -88,6 +89,7 @@ __all__ = [
     "instance_norm",
     "layer_norm",
     "layer_norm2d",
+    "llama_rms_norm",
     "rms_norm",
     "rms_norm2d",
     "row_norm_add_mul",
@@ -178,8 +180,10 @@ def _default_rms_eps(x: Tensor) -> float:
     return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
-def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, Tensor | None]:
-    args = (x, residual, weight, bias, ndim, eps, rms)
+def _apply_row_norm(
+    x, residual, weight, bias, ndim, eps, rms, cast=False
+) -> tuple[Tensor, Tensor | None]:
+    args = (x, residual, weight, bias, ndim, eps, rms, cast)
     if _traced(x):
         return row_norm_fwd_op(*args)[:2]
     if torch.is_grad_enabled() and any(
@@ -723,3 +727,68 @@ def rms_norm2d(
     if eps is None:
         eps = _default_rms_eps(input)
     return _apply_channel_norm(input, weight, None, eps, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face's RMSNorm layers of Llama's formula (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm...)
+# ---------------------------------------------------------------------------------------------
+_LLAMA_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _llama_rms_norm_torch(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """LlamaRMSNorm.forward of transformers, op for op (the reference and the fallback)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(input_dtype) if weight is None else weight * h.to(input_dtype)
+
+
+def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
+    r"""RMSNorm as Hugging Face's ``LlamaRMSNorm`` computes it, on cupynorm's kernels.
+
+    .. math::
+        \hat{x} = \mathrm{round}_{x}\!\left(\frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}}\right),
+        \quad y = \gamma * \hat{x}
+
+    over the last dimension, in float32 whatever the input's dtype; :math:`\hat{x}` is rounded
+    to the input's dtype *before* the weight multiplies it (two roundings in half precision,
+    where :func:`rms_norm` has one), and the output has the dtype ``weight * xhat`` promotes to.
+    ``weight`` of another dtype than the input (float32 weights, bfloat16 activations) is
+    multiplied by torch after the kernel, as the layer does. The backward is the autograd of
+    that formula: dweight sums ``dy * xhat`` with the rounded xhat, the rounding passes the
+    gradient unchanged.
+
+    Args:
+        hidden_states: tensor of shape :math:`(*, H)`; CUDA tensors of float16, bfloat16 or
+            float32 run on cupynorm's kernels. Other tensors (float64, which the layer normalizes
+            in float32, or on other devices) and weights that are not a vector of H values run
+            the layer's own torch formula.
+        weight: scale :math:`\gamma` of shape :math:`(H,)`, or None.
+        eps: added to the mean square (the layer's ``variance_epsilon``). Default: 1e-6
+
+    Example::
+
+        >>> y = cupynorm.torch.llama_rms_norm(h, layer.weight, layer.variance_epsilon)
+    """
+    _checks.check_tensor("llama_rms_norm", "hidden_states", hidden_states)
+    x = hidden_states
+    if (
+        not _use_kernels(x)
+        or x.dtype not in _LLAMA_KERNEL_DTYPES
+        or x.dim() == 0
+        or not isinstance(eps, (int, float))
+        or (
+            weight is not None
+            and (
+                not isinstance(weight, Tensor)
+                or tuple(weight.shape) != (x.shape[-1],)
+                or weight.dtype not in _LLAMA_KERNEL_DTYPES + (torch.float64,)
+                or weight.device != x.device
+            )
+        )
+    ):
+        return _llama_rms_norm_torch(x, weight, eps)
+    if weight is not None and weight.dtype != x.dtype:
+        return weight * _apply_row_norm(x, None, None, None, 1, float(eps), True, True)[0]
+    return _apply_row_norm(x, None, weight, None, 1, float(eps), True, True)[0]

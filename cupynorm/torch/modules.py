@@ -29,6 +29,7 @@ from .functional import (
     instance_norm,
     layer_norm,
     layer_norm2d,
+    llama_rms_norm,
     rms_norm,
     rms_norm2d,
     row_norm_add_mul,
@@ -45,6 +46,7 @@ __all__ = [
     "InstanceNorm3d",
     "LayerNorm",
     "LayerNorm2d",
+    "LlamaRMSNorm",
     "RMSNorm",
     "RMSNorm2d",
     "RowNormAddMul",
@@ -486,3 +488,45 @@ class RMSNorm2d(torch.nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm2d(x, self.weight, self.eps)
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    r"""Hugging Face's ``LlamaRMSNorm`` (and its copies: ``Qwen2RMSNorm``, ``MistralRMSNorm``,
+    ...) on cupynorm's kernels, with the layer's numerics (:func:`llama_rms_norm`): normalized
+    in float32, rounded to the input's dtype, then multiplied by ``weight``.
+
+    Same attributes as transformers' class: ``weight`` (init 1), ``variance_epsilon``, the
+    ``state_dict`` key ``weight`` and the ``extra_repr``. :func:`replace_norms` converts
+    transformers' layers of this formula into subclasses of this class (``include`` names it).
+
+    Args:
+        hidden_size: H, the size of the last dimension
+        eps: added to the mean square. Default: 1e-6
+        device, dtype: of ``weight``.
+
+    Shape:
+        - Input: :math:`(*, H)`
+        - Output: same shape, of the dtype ``weight * input`` promotes to
+
+    Example::
+
+        >>> m = cupynorm.torch.LlamaRMSNorm(2048).to("cuda", torch.bfloat16)
+        >>> y = m(torch.randn(4, 2048, 2048, device="cuda", dtype=torch.bfloat16))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
