@@ -14,6 +14,9 @@
 //     replaced by s_i = x_i + residual_i rounded to the input's type (s is written out: the
 //     residual stream), as flash-attn's and Liger's fused add + norm do.
 //   RMS statistic: mean = 0, var = sum_i x_i^2 / L (the mean square), same rstd.
+//   ROW_CAST epilogue (Hugging Face's LlamaRMSNorm and its copies, no bias): the normalized
+//     value is rounded to the input's type before the weight multiplies it,
+//     y_i = round(weight[i] * round(x_i * rstd)), two roundings in half precision.
 //   AFFINE_SILU epilogue (GroupNorm + SiLU, the diffusion ResNet block): y_i = silu(t_i) with t_i
 //     the AFFINE value in float32, silu(t) = t * sigmoid(t) (common.cuh), one rounding, of y.
 //
@@ -34,7 +37,8 @@
 #define EPILOGUE_AFFINE 0
 #define EPILOGUE_ADD_MUL 1
 #define EPILOGUE_ROW 2
-#define EPILOGUE_AFFINE_SILU 3
+#define EPILOGUE_ROW_CAST 3
+#define EPILOGUE_AFFINE_SILU 4
 
 #define STAT_MEAN_VAR 0
 #define STAT_RMS 1
@@ -216,6 +220,14 @@ __device__ __forceinline__ void slice_write(
             for (int j = 0; j < V; ++j) {
                 const acc_t r = to_acc(rv.v[j]);
                 out.v[j] = from_acc<scalar_t>(((to_acc(xv.v[j]) - mean) * rstd + r) * r);
+            }
+        } else if (EPILOGUE == EPILOGUE_ROW_CAST) {
+            acc_t w[V];
+            load_row_params<V>(weight, start + p * V, acc_t(1), w);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd));
+                out.v[j] = from_acc<scalar_t>(w[j] * xhat);
             }
         } else if (EPILOGUE == EPILOGUE_ROW) {
             const int pos = start + p * V;  // weight and bias are indexed by position in the row
@@ -595,6 +607,24 @@ extern "C" __global__ void segment_norm_fwd_rms(
                                   slice_len, eps, team, tickets, partials);
 }
 
+// RMSNorm with the ROW_CAST epilogue (xhat rounded to the input's type before the weight),
+// the argument list of segment_norm_fwd_rms.
+extern "C" __global__ void segment_norm_fwd_rms_cast(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
+    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
+    acc_t* __restrict__ partials, int vectorized) {
+    if (vectorized)
+        segment_norm_fwd<VEC, EPILOGUE_ROW_CAST, STAT_RMS>(
+            x, residual, sum_out, nullptr, y, weight, bias, mean, rstd, nullptr, row_len,
+            slice_len, row_len, 1, 1, eps, team, tickets, partials);
+    else
+        segment_norm_fwd<1, EPILOGUE_ROW_CAST, STAT_RMS>(
+            x, residual, sum_out, nullptr, y, weight, bias, mean, rstd, nullptr, row_len,
+            slice_len, row_len, 1, 1, eps, team, tickets, partials);
+}
+
 // RMS of rows too long for a team, from the strided passes' mean and biased variance:
 // mean square = var + mean^2 (two non-negative terms: no cancellation).
 extern "C" __global__ void segment_norm_rms_rstd(const acc_t* __restrict__ mean,
@@ -605,8 +635,9 @@ extern "C" __global__ void segment_norm_rms_rstd(const acc_t* __restrict__ mean,
 }
 
 // y = (x - mean) * rstd * weight[i] + bias[i] for rows too long for a team. Grid: rows * tiles,
-// tile_len elements per CTA (a multiple of V). mean null: RMS.
-template <int V>
+// tile_len elements per CTA (a multiple of V). mean null: RMS. CAST: the ROW_CAST epilogue
+// (RMS, no bias: y = round(weight[i] * round(x * rstd))).
+template <int V, bool CAST = false>
 __device__ __forceinline__ void rows_apply(const scalar_t* __restrict__ x, scalar_t* __restrict__ y,
                                            const param_t* __restrict__ weight,
                                            const param_t* __restrict__ bias,
@@ -625,7 +656,10 @@ __device__ __forceinline__ void rows_apply(const scalar_t* __restrict__ x, scala
             const int64 i = p * V + j;
             const acc_t w = weight != nullptr ? to_acc(weight[i]) : acc_t(1);
             const acc_t b = bias != nullptr ? to_acc(bias[i]) : acc_t(0);
-            out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - m) * rs * w + b);
+            if (CAST)
+                out.v[j] = from_acc<scalar_t>(w * to_acc(from_acc<scalar_t>(to_acc(xv.v[j]) * rs)));
+            else
+                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - m) * rs * w + b);
         }
         store_pack<V>(y + base, p, out);
     }
@@ -640,6 +674,17 @@ extern "C" __global__ void segment_norm_apply_rows(
         rows_apply<VEC>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
     else
         rows_apply<1>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
+}
+
+// segment_norm_apply_rows with the ROW_CAST epilogue (mean and bias null).
+extern "C" __global__ void segment_norm_apply_rows_cast(
+    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, const acc_t* __restrict__ mean,
+    const acc_t* __restrict__ rstd, int64 row_len, int64 tiles, int64 tile_len, int vectorized) {
+    if (vectorized)
+        rows_apply<VEC, true>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
+    else
+        rows_apply<1, true>(x, y, weight, bias, mean, rstd, row_len, tiles, tile_len);
 }
 
 // ---- backward ----------------------------------------------------------------------------------
@@ -713,8 +758,10 @@ extern "C" __global__ void segment_norm_bwd_rows_merge(const acc_t* __restrict__
 
 // Grid: col_tiles * groups; CTA (group, column tile) walks rows [group * rows_per_group, ...)
 // over columns [tile * blockDim.x * ROWS_BWD_PACKS * V, ...). dx null: weight gradients only.
-// dsum: the incoming gradient of the residual sum, or null.
-template <int V>
+// dsum: the incoming gradient of the residual sum, or null. CAST (the ROW_CAST epilogue): the
+// weight multiplied xhat rounded to the input's type, so dweight sums dy * round(xhat); dx is
+// unchanged (the rounding's gradient is the identity).
+template <int V, bool CAST = false>
 __device__ __forceinline__ void rows_bwd_dx(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
     const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
@@ -754,7 +801,7 @@ __device__ __forceinline__ void rows_bwd_dx(
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t xhat = (to_acc(xv.v[j]) - m) * rs, d = to_acc(dv.v[j]);
-                dw[k][j] += d * xhat;
+                dw[k][j] += d * (CAST ? to_acc(from_acc<scalar_t>(xhat)) : xhat);
                 db[k][j] += d;
                 acc_t v = rs * (w[k][j] * d - mean_g - xhat * mean_gx);
                 if (dsum != nullptr) v += to_acc(sv.v[j]);
@@ -789,6 +836,22 @@ extern "C" __global__ void segment_norm_bwd_rows_dx(
     else
         rows_bwd_dx<1>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part, dbias_part,
                        rows, row_len, col_tiles, rows_per_group);
+}
+
+// segment_norm_bwd_rows_dx of the ROW_CAST epilogue (dweight of the rounded xhat).
+extern "C" __global__ void segment_norm_bwd_rows_dx_cast(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
+    const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,
+    const acc_t* __restrict__ row_sums, scalar_t* __restrict__ dx,
+    acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int64 row_len,
+    int64 col_tiles, int64 rows_per_group, int vectorized) {
+    if (vectorized)
+        rows_bwd_dx<VEC, true>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part,
+                               dbias_part, rows, row_len, col_tiles, rows_per_group);
+    else
+        rows_bwd_dx<1, true>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part,
+                             dbias_part, rows, row_len, col_tiles, rows_per_group);
 }
 
 __device__ __forceinline__ void store_grad(void* out, int64 i, acc_t v, int as_param) {

@@ -18,7 +18,9 @@ from .functional import (
     group_norm_act,
     instance_norm,
     layer_norm,
+    layer_norm2d,
     rms_norm,
+    rms_norm2d,
     row_norm_add_mul,
 )
 
@@ -35,6 +37,8 @@ __all__ = [
     "group_norm_act",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _plan, _single
+from . import _channel, _interop, _plan, _single
 from ._launch import (
     _ITEMSIZE,
     _SEGMENT,
@@ -461,6 +461,7 @@ def row_norm_fwd(
     rms: bool,
     *,
     want_stats: bool = True,
+    cast: bool = False,
 ) -> tuple:
     """(y, sum, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over rows of ``row_len``.
 
@@ -468,6 +469,8 @@ def row_norm_fwd(
     rows are s = x + residual (rounded to x's dtype) and ``sum`` is s, else None. weight/bias:
     row_len values (by position in the row) or None. mean, rstd: (rows,) in the accumulator's
     dtype; mean is None for RMSNorm, both None without ``want_stats`` (inference).
+    ``cast`` (RMSNorm without bias): Hugging Face's LlamaRMSNorm numerics, the normalized value
+    rounded to x's dtype before the weight multiplies it (the ROW_CAST epilogue).
     """
     call = _Call(x, weight if weight is not None else bias)
     bk = call.bk
@@ -487,6 +490,8 @@ def row_norm_fwd(
                 bk.fill_nan(stat)
         return y, total, mean, rstd
     kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
+    if cast:
+        kernel = "segment_norm_fwd_rms_cast"
     plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, residual, total, y), call.info)
     if plan is not None:
         # fmt: off
@@ -515,7 +520,8 @@ def row_norm_fwd(
         # fmt: on
     tiles = _plan.plan_rows_tiles(D, call.itemsize, call.aligned(source, y))
     # fmt: off
-    call.launch(_SEGMENT, "segment_norm_apply_rows", rows * tiles.tiles, (tiles.threads,), (
+    apply = "segment_norm_apply_rows_cast" if cast else "segment_norm_apply_rows"
+    call.launch(_SEGMENT, apply, rows * tiles.tiles, (tiles.threads,), (
         call.ptr(source), call.ptr(y), call.ptr(weight), call.ptr(bias),
         call.ptr(None if rms else row_mean), call.ptr(row_rstd), np.int64(D),
         np.int64(tiles.tiles), np.int64(tiles.tile_len), np.int32(tiles.vectorized)))
@@ -533,8 +539,11 @@ def row_norm_bwd(
     weight: Any,
     row_len: int,
     needs_input_grad: tuple[bool, bool, bool],
+    *,
+    cast: bool = False,
 ) -> tuple:
-    """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm.
+    """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm;
+    ``cast``: of the forward with ``cast`` (dweight sums dy times xhat rounded to x's dtype).
 
     x: the normalized input (the sum s with a residual); dsum: the incoming gradient of s, added
     to dx, or None. dx is then the gradient of both x and residual. dweight and dbias come in the
@@ -576,13 +585,14 @@ def row_norm_bwd(
                         (call.ptr(tile_sums), call.ptr(row_sums), np.int64(rows),
                          np.int64(tiles.tiles)))
             # fmt: on
-    most = call.threads(_SEGMENT, "segment_norm_bwd_rows_dx", _plan.BLOCK_THREADS)
+    dx_kernel = "segment_norm_bwd_rows_dx_cast" if cast else "segment_norm_bwd_rows_dx"
+    most = call.threads(_SEGMENT, dx_kernel, _plan.BLOCK_THREADS)
     plan = _plan.plan_rows_backward(rows, D, call.itemsize, aligned, call.info, most)
     dweight_part = call.stats((plan.groups * D,), x) if want_dw else None
     dbias_part = call.stats((plan.groups * D,), x) if want_db else None
     if want_dx or want_dw or want_db:
         # fmt: off
-        call.launch(_SEGMENT, "segment_norm_bwd_rows_dx", plan.col_tiles * plan.groups,
+        call.launch(_SEGMENT, dx_kernel, plan.col_tiles * plan.groups,
                     (plan.threads,), (
             call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
             call.ptr(rstd), call.ptr(row_sums), call.ptr(dx), call.ptr(dweight_part),
@@ -679,3 +689,139 @@ def batch_norm_bwd_dx(dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, u: Any
     aligned = call.aligned(x, dy, dx)
     _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, 0, 1, aligned)
     return (dx,)
+
+
+# ---- channel norms: LayerNorm / RMSNorm over dim 1 of (N, C, *spatial), per (sample, pixel) ---
+# channels_last data is the row norm on its (N, *spatial, C) view (a contiguous permutation, no
+# copy); contiguous (NCHW) data takes the channels family (channel_norm.cu). These two entries
+# only pick the route and reshape: the work is in recorded entries (row_norm_fwd/bwd and the
+# _channel_norm_* below), whose outputs must be their own allocations, not views.
+def _to_rows(x: Any) -> Any:
+    """The (N, *spatial, C) view of x (N, C, *spatial)."""
+    order = (0, *range(2, x.ndim), 1)
+    return x.permute(*order) if _interop.is_torch_tensor(x) else x.transpose(order)
+
+
+def _to_channels(t: Any) -> Any:
+    """The (N, C, *spatial) view of t (N, *spatial, C)."""
+    order = (0, t.ndim - 1, *range(1, t.ndim - 1))
+    return t.permute(*order) if _interop.is_torch_tensor(t) else t.transpose(order)
+
+
+def channel_norm_fwd(
+    x: Any, weight: Any, bias: Any, eps: float, rms: bool, *, want_stats: bool = True
+) -> tuple:
+    """(y, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over dim 1 of x (N, C, *spatial).
+
+    y keeps x's layout (contiguous or channels_last; other strides: contiguous). mean, rstd:
+    (N, *spatial) in the accumulator's dtype; mean None for RMSNorm, both None without
+    ``want_stats``. weight/bias: (C,) or None.
+    """
+    bk = _interop.backend_of(x)
+    layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
+    N, C, spatial = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    if layout == "other":
+        x = bk.contiguous(x)
+    if layout == "channels_last" or _plan.prod(spatial) == 1:
+        y, _sum, mean, rstd = row_norm_fwd(
+            _to_rows(x), None, weight, bias, C, eps, rms, want_stats=want_stats
+        )
+        y = _to_channels(y)
+    elif _channel.fits(_Call(x, weight if weight is not None else bias), C, backward=False):
+        y, mean, rstd = _channel_norm_fwd(x, weight, bias, eps, rms, want_stats=want_stats)
+    else:  # more channels than one CTA holds: the row norm on a channels-last copy
+        rows = bk.contiguous(_to_rows(x))
+        y, _sum, mean, rstd = row_norm_fwd(
+            rows, None, weight, bias, C, eps, rms, want_stats=want_stats
+        )
+        y = bk.contiguous(_to_channels(y))
+    stats = (N, *spatial)
+    mean = None if mean is None else mean.reshape(stats)
+    rstd = None if rstd is None else rstd.reshape(stats)
+    return y, mean, rstd
+
+
+def channel_norm_bwd(
+    dy: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    needs_input_grad: tuple[bool, bool, bool],
+) -> tuple:
+    """(dx | None, dweight | None, dbias | None) of channel_norm_fwd; ``mean`` None: RMSNorm.
+
+    dx takes x's layout (contiguous or channels_last; other strides: contiguous); dy may have any
+    strides (copied to x's layout when they differ). dweight/dbias: (C,) in the weight's dtype
+    (the accumulator's when weight is None).
+    """
+    bk = _interop.backend_of(x)
+    layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
+    C = x.shape[1]
+    mean = None if mean is None else mean.reshape(-1)
+    rstd = rstd.reshape(-1)
+    if layout == "other":
+        x = bk.contiguous(x)
+    if layout == "channels_last" or _plan.prod(tuple(x.shape[2:])) == 1:
+        rows_dy = _to_rows(dy)
+        dx, dweight, dbias = row_norm_bwd(
+            rows_dy, None, _to_rows(x), mean, rstd, weight, C, needs_input_grad
+        )
+        return (None if dx is None else _to_channels(dx)), dweight, dbias
+    dy = bk.contiguous(dy)
+    if _channel.fits(_Call(x, weight), C, backward=True):
+        return _channel_norm_bwd(dy, x, mean, rstd, weight, needs_input_grad)
+    dx, dweight, dbias = row_norm_bwd(
+        bk.contiguous(_to_rows(dy)),
+        None,
+        bk.contiguous(_to_rows(x)),
+        mean,
+        rstd,
+        weight,
+        C,
+        needs_input_grad,
+    )
+    return (None if dx is None else bk.contiguous(_to_channels(dx))), dweight, dbias
+
+
+@_programmed
+def _channel_norm_fwd(
+    x: Any, weight: Any, bias: Any, eps: float, rms: bool, *, want_stats: bool = True
+) -> tuple:
+    """(y, mean (N, S), rstd (N, S)) of x (N, C, *spatial) contiguous: channel_norm.cu."""
+    call = _Call(x, weight if weight is not None else bias)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    y = call.bk.empty_strided_like(x)
+    mean = call.stats((N, S), x) if want_stats and not rms else None
+    rstd = call.stats((N, S), x) if want_stats else None
+    if N * C * S == 0:
+        for stat in (mean, rstd):
+            if stat is not None:
+                call.bk.fill_nan(stat)
+        return y, mean, rstd
+    _channel.forward(call, x, y, weight, bias, mean, rstd, C, S, eps, rms)
+    return y, mean, rstd
+
+
+@_programmed
+def _channel_norm_bwd(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, needs_input_grad: tuple[bool, bool, bool]
+) -> tuple:
+    """(dx, dweight, dbias) of _channel_norm_fwd; x, dy (N, C, *spatial) contiguous, mean/rstd
+    N * S values (mean None: RMSNorm)."""
+    call = _Call(x, weight)
+    N, C = x.shape[0], x.shape[1]
+    S = _plan.prod(tuple(x.shape[2:]))
+    want_dx, want_dw, want_db = needs_input_grad
+    dx = call.bk.empty_strided_like(x) if want_dx else None
+    dweight = call.grads((C,), weight, x) if want_dw else None
+    dbias = call.grads((C,), weight, x) if want_db else None
+    if N * C * S == 0:
+        for grad in (dweight, dbias):
+            if grad is not None:
+                call.bk.fill_zero(grad)
+        return dx, dweight, dbias
+    if want_dx or want_dw or want_db:
+        _channel.backward(call, dy, x, mean, rstd, weight, dx, dweight, dbias, C, S)
+    return dx, dweight, dbias

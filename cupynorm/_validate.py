@@ -319,3 +319,23 @@ def _prod(dims: tuple[int, ...]) -> int:
     for d in dims:
         size *= d
     return size
+
+
+def check_channel_norm(x: Any, weight: Any, bias: Any, eps: Any) -> None:
+    """LayerNorm / RMSNorm over dim 1 (the C channels) of x (N, C, *spatial)."""
+    check_array(x)
+    if x.ndim < 2:
+        raise InvalidInputError(f"expected an input of shape (N, C, *), got shape {tuple(x.shape)}")
+    C = x.shape[1]
+    if C <= 0:
+        raise InvalidInputError(f"expected at least one channel, got shape {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            check_param(p, x, name, C, shape=(C,))
+    if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
+        raise InvalidTypeError(
+            f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
+            f"{_dtype_name(bias)}"
+        )
+    if eps is not None:
+        _check_number(eps, "eps")

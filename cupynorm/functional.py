@@ -22,7 +22,9 @@ __all__ = [
     "group_norm_act",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]
 
@@ -423,3 +425,64 @@ def add_rms_norm(
         ``(rms_norm(s), s)``: the normalized output and the sum (the new residual stream).
     """
     return _row_norm(x, residual, normalized_shape, weight, None, eps, True)
+
+
+def _channel_norm(x: Any, weight: Any, bias: Any, eps: float | None, rms: bool) -> Any:
+    """The shared path of layer_norm2d and rms_norm2d."""
+    if _is_foreign(x):
+        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
+        return _from_cupy(_channel_norm(_to_cupy(x), w, b, eps, rms), x)
+    _validate.check_channel_norm(x, weight, bias, eps)
+    if eps is None:
+        eps = _machine_eps(x)
+    if is_torch_tensor(x) and _wants_grad(x, weight, bias):
+        from . import torch as cn_torch
+
+        if rms:
+            return cn_torch.rms_norm2d(x, weight, eps=eps)
+        return cn_torch.layer_norm2d(x, weight, bias, eps=eps)
+    return _ops.channel_norm_fwd(x, weight, bias, eps, rms, want_stats=False)[0]
+
+
+def layer_norm2d(input: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
+    r"""Layer normalization over the channels (dim 1) of (N, C, \*spatial), per sample and
+    position: timm's / torchvision's ``LayerNorm2d`` (ConvNeXt).
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s} - \mathrm{E}_c[x_{n,:,s}]}
+            {\sqrt{\mathrm{Var}_c[x_{n,:,s}] + \epsilon}} \cdot \gamma_c + \beta_c
+
+    with the biased variance over the C channels (float32 accumulation; float64 for float64
+    input).
+
+    Args:
+        input: (N, C, \*spatial) array, float32/float64/float16/bfloat16, contiguous or
+            channels_last (other strides are copied to contiguous first).
+        weight, bias: optional (C,) arrays, the input's dtype or float32.
+        eps: added to the variance.
+
+    Returns:
+        The normalized array: same type, shape, dtype, device and memory format as ``input``.
+
+    Example:
+        >>> x = cupy.random.randn(8, 96, 56, 56, dtype=cupy.float32)
+        >>> y = cupynorm.layer_norm2d(x)
+    """
+    return _channel_norm(input, weight, bias, eps, False)
+
+
+def rms_norm2d(input: Any, weight: Any = None, eps: float | None = None) -> Any:
+    r"""Root-mean-square normalization over the channels (dim 1) of (N, C, \*spatial):
+    ``x / sqrt(mean(x**2, dim=1, keepdim=True) + eps) * weight`` (KernelBench level 1 problem 36
+    without a weight; timm's ``RmsNorm2d``).
+
+    Args:
+        input: (N, C, \*spatial) array (as :func:`layer_norm2d`).
+        weight: optional (C,) array, the input's dtype or float32.
+        eps: added to the mean square; None (default): the machine epsilon of the type the norm
+            computes in (float32; float64 for float64 input), as torch's ``rms_norm``.
+
+    Returns:
+        The normalized array: same type, shape, dtype, device and memory format as ``input``.
+    """
+    return _channel_norm(input, weight, None, eps, True)

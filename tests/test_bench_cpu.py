@@ -39,6 +39,9 @@ EXPECTED_WORKLOADS = [
     "layernorm_fwdbwd_bf16",
     "rmsnorm_fwdbwd_bf16",
     "layernorm_kb40_fp32",
+    "rmsnorm2d_kb36_fp32",
+    "layernorm2d_bf16",
+    "layernorm2d_fwdbwd_bf16_cl",
     "add_rmsnorm_bf16",
     "batchnorm2d_add_relu_fp16_cl",
     "groupnorm32_silu_fp16",
@@ -64,6 +67,7 @@ def test_registry_names_and_goals() -> None:
     assert goals["layernorm_bf16"] == goals["rmsnorm_bf16"] == 0.032
     assert goals["layernorm_fwdbwd_bf16"] == goals["rmsnorm_fwdbwd_bf16"] == 0.085
     assert goals["layernorm_kb40_fp32"] == 0.14
+    assert goals["rmsnorm2d_kb36_fp32"] == 3.9
     assert goals["add_rmsnorm_bf16"] == 0.066
     for name in ("seed002_model_fp32", "module_overhead"):
         assert goals[name] is None

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,11 @@ MODEL_NAMES = [
     "efficientnet_b0_b64_bf16_cl",
     "gn_blocks_fp16_cl",
     "gn_blocks_fp16",
+    "llama_8l_h2048_s2048_b4_bf16",
 ]
+# the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
+# is elementwise torch ops, no norm kernel to count on the CPU)
+DRY_RUN_NAMES = MODEL_NAMES[:5]
 
 # ------------------------------------------------------------------------------------------------
 # Registry and selection
@@ -43,8 +48,13 @@ def test_model_workloads() -> None:
     assert gn_cl.input_shape == gn.input_shape == (16, 320, 64, 64)
     assert gn_cl.dtype == gn.dtype == "float16" and gn_cl.autocast is None
     assert gn_cl.channels_last and not gn.channels_last
+    llama = by_name["llama_8l_h2048_s2048_b4_bf16"]
+    assert llama.input_shape == (4, 2048, 2048) and llama.layers == 8 and llama.dtype == "bfloat16"
+    assert llama.convert == "llama_rms_norm" and llama.loss == "token_cross_entropy"
+    assert llama.accuracy_batch == 1
     for workload in bench.MODEL_WORKLOADS:
         assert workload.model in bench.models.MODEL_FACTORIES
+        assert workload.convert == ("llama_rms_norm" if workload.model == "llama" else "fuse")
 
 
 def test_models_group_is_not_in_the_default_run() -> None:
@@ -348,7 +358,7 @@ def models_dry_run(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
     monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
     monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
-    tiny = tuple(_tiny_model_workload(w) for w in bench.MODEL_WORKLOADS)
+    tiny = tuple(_tiny_model_workload(w) for w in bench.MODEL_WORKLOADS if w.model != "llama")
     monkeypatch.setattr(bench.workloads, "MODEL_WORKLOADS", tiny)
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
@@ -392,7 +402,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     body = rows[2:]
     assert all("ERROR" not in cell for row in body for cell in row), captured.out
     keys = [tuple(row[:3]) for row in body]
-    for name in MODEL_NAMES:
+    for name in DRY_RUN_NAMES:
         for mode in ("eager", "graphed", "compile"):
             assert (name, mode, "torch") in keys and (name, mode, "cupynorm") in keys
     for row in body:
@@ -407,7 +417,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
 
     report = json.loads(json_path.read_text())
     assert report["exit_code"] == 0 and report["workloads"] == []
-    assert [m["name"] for m in report["models"]] == MODEL_NAMES
+    assert [m["name"] for m in report["models"]] == DRY_RUN_NAMES
     for model in report["models"]:
         assert model["error"] is None and model["failure"] is None
         assert model["accuracy"]["ok"] and model["accuracy"]["batch"] == 2
@@ -492,3 +502,47 @@ def test_a_failing_mode_is_that_cell_only(
             "ERROR: RuntimeError: operation not permitted"
         )
         assert "ERROR" not in rows[("gn_blocks_fp16_cl", "eager", impl)][3]
+
+
+def test_llama_row_dry_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    """The Llama row alone (`--only`), on a tiny config on the CPU: transformers' model builds
+    from the workload, replace_norms converts its 2 * layers + 1 RMSNorm layers (and nothing is
+    left alone with a warning), every mode runs, the accuracy check passes."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
+    monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
+    monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
+    name = "llama_8l_h2048_s2048_b4_bf16"
+    tiny = dataclasses.replace(
+        bench.MODEL_WORKLOADS_BY_NAME[name],
+        input_shape=(2, 8, 256),
+        num_classes=64,
+        layers=2,
+        dtype="float32",
+        accuracy_batch=None,
+    )
+    monkeypatch.setattr(bench.workloads, "MODEL_WORKLOADS", (tiny,))
+    monkeypatch.setattr(train, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "HOST_STEPS", 2)
+    monkeypatch.setattr(train, "COMPILE_OPTIONS", {"backend": "eager"})
+    model = bench.models.build_model(tiny)
+    assert bench.models.count_norm_layers(model) == 5
+    import cupynorm.torch as cnt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        converted = train._convert(model, tiny)
+    assert sum(isinstance(m, cnt.LlamaRMSNorm) for m in converted.modules()) == 5
+    assert bench.models.count_norm_layers(bench.models.strip_norms(converted)) == 0
+    json_path = tmp_path / "llama.json"
+    exit_code = main(["bench", "--reps", "2", "--only", name, "--json", str(json_path)])
+    captured = capsys.readouterr()
+    assert exit_code == 0, captured.err
+    assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
+    report = json.loads(json_path.read_text())
+    (row,) = report["models"]
+    assert row["name"] == name and row["error"] is None and row["failure"] is None
+    assert row["norm_layers"] == 5 and len(row["steps"]) == 6
+    assert all(s["error"] is None and s["ms"] > 0 for s in row["steps"])

@@ -46,6 +46,8 @@ CASES = [
     ExampleCase("linear_instancenorm_residual", {"batch_size": 64, "in_features": 1024}),
     # Batch 2 keeps the real row length (64 x 256 x 256 values: longer than a team holds).
     ExampleCase("layernorm", {"batch_size": 2}),
+    # Batch 2 keeps the real 64 channels of 512 x 512 pixels.
+    ExampleCase("rms_norm_channels", {"batch_size": 2}),
 ]
 
 

@@ -2,9 +2,9 @@
 
 - seed 002's reference models (KernelBench level 2, 28) for the `row_norm_add_mul_fp32` and
   `seed002_model_fp32` rows;
-- the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()` and a stack
-  of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not a dependency: the block is
-  written here).
+- the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()`, timm's
+  `efficientnet_b0`, a stack of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not
+  a dependency: the block is written here) and a transformers Llama decoder (random init).
 """
 
 from __future__ import annotations
@@ -138,11 +138,57 @@ def efficientnet_b0(workload: ModelWorkload) -> torch.nn.Module:
     return timm.create_model("efficientnet_b0", num_classes=workload.num_classes)
 
 
+_LLAMA_CLASSES: dict[str, type] = {}
+
+
+def _llama_lm_class() -> type:
+    """LlamaLM, defined on first use (it needs torch)."""
+    if _LLAMA_CLASSES:
+        return _LLAMA_CLASSES["LlamaLM"]
+    from torch import nn
+
+    class LlamaLM(nn.Module):
+        """transformers' LlamaForCausalLM fed input embeddings (batch, sequence, hidden): the
+        bench's batches are float tensors, and the accuracy check takes the input's gradient.
+        Returns the logits (batch, sequence, vocabulary)."""
+
+        def __init__(self, lm: nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+            return self.lm(inputs_embeds=inputs_embeds, use_cache=False).logits
+
+    _LLAMA_CLASSES["LlamaLM"] = LlamaLM
+    return LlamaLM
+
+
+def llama(workload: ModelWorkload) -> torch.nn.Module:
+    """A Llama-style decoder from transformers, random init: `workload.layers` layers, hidden
+    size input_shape[2] (head size 128, 2 query heads per key/value head, MLP 2.75x), vocabulary
+    `num_classes`; an ImportError when transformers is missing."""
+    transformers = importlib.import_module("transformers")
+    hidden = workload.input_shape[2]
+    heads = max(1, hidden // 128)
+    config = transformers.LlamaConfig(
+        vocab_size=workload.num_classes,
+        hidden_size=hidden,
+        intermediate_size=(hidden * 11 // 4 + 63) // 64 * 64,
+        num_hidden_layers=workload.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=workload.input_shape[1],
+        attn_implementation="sdpa",
+    )
+    return _llama_lm_class()(transformers.LlamaForCausalLM(config))
+
+
 # The models group's models by name; each builds the model on the CPU in float32.
 MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "resnet50": resnet50,
     "efficientnet_b0": efficientnet_b0,
     "gn_resnet_blocks": gn_resnet_blocks,
+    "llama": llama,
 }
 
 
@@ -162,11 +208,17 @@ def _norm_kinds() -> tuple[type, ...]:
     )
 
 
+def _is_norm(module: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
+    """A norm layer: of torch's kinds, or another library's RMSNorm (transformers' have
+    ``RMSNorm`` in their class name, and so have cupynorm's adopted classes of them)."""
+    return isinstance(module, kinds) or "RMSNorm" in type(module).__name__
+
+
 def count_norm_layers(model: torch.nn.Module) -> int:
-    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm modules of the model (cupynorm's modules
-    subclass torch's, so they count too)."""
+    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm / RMSNorm modules of the model
+    (cupynorm's modules subclass torch's, so they count too)."""
     kinds = _norm_kinds()
-    return sum(1 for module in model.modules() if isinstance(module, kinds))
+    return sum(1 for module in model.modules() if _is_norm(module, kinds))
 
 
 def strip_norms(model: torch.nn.Module) -> torch.nn.Module:
@@ -178,7 +230,7 @@ def strip_norms(model: torch.nn.Module) -> torch.nn.Module:
     kinds = _norm_kinds()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, kinds):
+            if _is_norm(child, kinds):
                 setattr(parent, name, nn.Identity())
     return model
 
@@ -238,3 +290,44 @@ def epilogue_module_classes() -> dict[str, type]:
 
     _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU, GroupNormSiLU=GroupNormSiLU)
     return _EPILOGUE_CLASSES
+
+
+_CHANNEL_NORM_CLASSES: dict[str, type] = {}
+
+
+def channel_norm_module_classes() -> dict[str, type]:
+    """The eager side of the channel-norm rows: KernelBench level 1 problem 36's RMS over dim 1
+    (ChannelRMS, its formula in torch operations) and timm's / torchvision's LayerNorm2d
+    (PermuteLayerNorm2d: permute, layer_norm, permute back; the parameters of nn.LayerNorm)."""
+    if _CHANNEL_NORM_CLASSES:
+        return _CHANNEL_NORM_CLASSES
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class ChannelRMS(nn.Module):
+        def __init__(self, num_features: int, eps: float = 1e-5) -> None:
+            super().__init__()
+            self.num_features, self.eps = num_features, eps
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + self.eps)
+
+    class ChannelRMSCupynorm(ChannelRMS):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            import cupynorm.torch as cnt
+
+            return cnt.rms_norm2d(x, eps=self.eps)
+
+    class PermuteLayerNorm2d(nn.LayerNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.permute(0, 2, 3, 1)
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return x.permute(0, 3, 1, 2)
+
+    _CHANNEL_NORM_CLASSES.update(
+        ChannelRMS=ChannelRMS,
+        ChannelRMSCupynorm=ChannelRMSCupynorm,
+        PermuteLayerNorm2d=PermuteLayerNorm2d,
+    )
+    return _CHANNEL_NORM_CLASSES

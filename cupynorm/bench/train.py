@@ -80,8 +80,8 @@ COMPILE_OPTIONS: dict[str, Any] = {}
 # Lower-case pieces of kernel names counted as norm kernels: torch's BatchNorm (native and
 # cuDNN: batch_norm_*, welford_*, bn_*), torch's GroupNorm (RowwiseMoments, ComputeFusedParams,
 # GroupNorm*Kernel lambdas, the backward's gradient kernels), cupynorm's (cuda_src/*.cu:
-# segment_norm_*, strided_norm_*, and fused_norm_*, which also do the add and activation they
-# absorbed). Layout copies a norm makes around its kernels are not counted.
+# segment_norm_*, strided_norm_*, channel_norm_*, and fused_norm_*, which also do the add and
+# activation they absorbed). Layout copies a norm makes around its kernels are not counted.
 NORM_KERNEL_PATTERNS = (
     "batch_norm",
     "batchnorm",
@@ -96,6 +96,7 @@ NORM_KERNEL_PATTERNS = (
     "segment_norm_",
     "strided_norm_",
     "fused_norm_",
+    "channel_norm_",
 )
 
 
@@ -148,6 +149,8 @@ def _loss(workload: ModelWorkload, output: torch.Tensor, target: torch.Tensor) -
 
     if workload.loss == "cross_entropy":
         return F.cross_entropy(output, target)
+    if workload.loss == "token_cross_entropy":  # logits (batch, sequence, vocabulary)
+        return F.cross_entropy(output.flatten(0, -2), target.flatten())
     # Summed and scaled so that the output's gradient is 1e-3 * (output - target): a normal fp16
     # number (a mean over 21M elements would give ~1e-7, below fp16's normal range), and parameter
     # gradients and momentum buffers far below fp16's 65504 (checked over 25 steps on the CPU at
@@ -208,6 +211,10 @@ def _make_batch(
         target = torch.randint(
             0, workload.num_classes, (batch,), device=device, generator=generator
         )
+    elif workload.loss == "token_cross_entropy":  # a label per position of the sequence
+        target = torch.randint(
+            0, workload.num_classes, shape[:2], device=device, generator=generator
+        )
     else:
         target_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         target = torch.empty(shape, dtype=target_dtype, device=device, memory_format=layout)
@@ -215,10 +222,15 @@ def _make_batch(
     return inputs, target
 
 
-def _convert(model: torch.nn.Module) -> torch.nn.Module:
-    """`cupynorm.torch.fuse`: the norms converted and a BatchNorm2d's following activation and
-    residual add folded into it (imported here: it needs torch and registers ops)."""
-    return importlib.import_module("cupynorm.torch").fuse(model)
+def _convert(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.Module:
+    """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
+    the norms converted and a BatchNorm2d's following activation and residual add folded into
+    it, or transformers' RMSNorm layers converted (imported here: it needs torch and registers
+    ops)."""
+    cnt = importlib.import_module("cupynorm.torch")
+    if workload.convert == "llama_rms_norm":
+        return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
+    return cnt.fuse(model)
 
 
 def _on_device(
@@ -270,7 +282,7 @@ def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCh
         inputs32 = inputs64.float()
         target32 = target64 if not target64.is_floating_point() else target64.float()
         errors = []
-        for make in (copy.deepcopy, lambda m: _convert(copy.deepcopy(m))):
+        for make in (copy.deepcopy, lambda m: _convert(copy.deepcopy(m), workload)):
             model = _on_device(make(base), workload, device, torch.float32)
             output, grad = _output_and_input_grad(model, workload, inputs32, target32)
             errors.append(
@@ -343,7 +355,7 @@ def _run_step(
     result = StepResult(mode=mode, impl=impl)
     model = copy.deepcopy(base)
     if impl == MODEL_CUPYNORM:
-        model = _convert(model)
+        model = _convert(model, workload)
     model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
     forward = torch.compile(model, **COMPILE_OPTIONS) if mode == MODE_COMPILE else None
     trainer = TrainStep(model, workload, *batch, forward=forward)

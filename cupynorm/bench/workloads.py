@@ -45,6 +45,7 @@ class ModuleSpec:
                 **models.seed002_module_classes(),
                 **models.row_norm_module_classes(),
                 **models.epilogue_module_classes(),
+                **models.channel_norm_module_classes(),
             }
             cls = classes[self.class_name]
         else:
@@ -108,6 +109,9 @@ _SD_GROUPNORM = (16, 320, 64, 64)
 _FWDBWD_TRAFFIC = "fwd: read x, write y; bwd: read x, read dy, write dx (5 passes)"
 _LLM_ROWS = (8192, 4096)  # tokens x hidden: a transformer's pre-norm input
 _KB40 = (16, 64, 256, 256)
+_KB36 = (112, 64, 512, 512)  # KernelBench level 1 problem 36: RMS over the 64 channels
+_KB36_QUICK = (28, 64, 512, 512)
+_CONVNEXT_T = (64, 96, 56, 56)  # ConvNeXt-T's first stage (LayerNorm2d after the stem) at batch 64
 _BN_ADD_RELU = (256, 256, 56, 56)  # a resnet50 bottleneck's tail at batch 256
 _BN_ADD_RELU_QUICK = (64, 256, 56, 56)  # KernelBench level 1 problem 40: LayerNorm((64, 256, 256))
 
@@ -250,6 +254,37 @@ WORKLOADS: tuple[Workload, ...] = (
         goal_ms=0.14,
     ),
     Workload(
+        name="rmsnorm2d_kb36_fp32",
+        title="KernelBench L1-36: RMS over the channels (dim 1) fp32 112x64x512x512 fwd",
+        eager=ModuleSpec("bench", "ChannelRMS", (64,)),
+        cupynorm=ModuleSpec("bench", "ChannelRMSCupynorm", (64,)),
+        input_shapes=(_KB36,),
+        quick_input_shapes=(_KB36_QUICK,),
+        goal_ms=3.9,
+    ),
+    Workload(
+        name="layernorm2d_bf16",
+        title="LayerNorm2d(96) (ConvNeXt) bf16 NCHW 64x96x56x56 fwd",
+        eager=ModuleSpec("bench", "PermuteLayerNorm2d", (96,), (("eps", 1e-6),)),
+        cupynorm=ModuleSpec("cupynorm.torch", "LayerNorm2d", (96,), (("eps", 1e-6),)),
+        input_shapes=(_CONVNEXT_T,),
+        dtype="bfloat16",
+        goal_text="<= eager",
+    ),
+    Workload(
+        name="layernorm2d_fwdbwd_bf16_cl",
+        title="LayerNorm2d(96) (ConvNeXt) bf16 channels_last 64x96x56x56 fwd+bwd",
+        eager=ModuleSpec("bench", "PermuteLayerNorm2d", (96,), (("eps", 1e-6),)),
+        cupynorm=ModuleSpec("cupynorm.torch", "LayerNorm2d", (96,), (("eps", 1e-6),)),
+        input_shapes=(_CONVNEXT_T,),
+        dtype="bfloat16",
+        channels_last=True,
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_text="<= eager",
+    ),
+    Workload(
         name="add_rmsnorm_bf16",
         title="residual add + RMSNorm(4096) bf16 8192x4096 fwd (output and sum written)",
         eager=ModuleSpec("bench", "AddRMSNorm", (4096,)),
@@ -357,6 +392,11 @@ class ModelWorkload:
     # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
     accuracy_batch: int | None = None
     goal_text: str = ""  # e.g. ">= 1.15x torch eager"
+    # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), or "llama_rms_norm"
+    # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
+    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md).
+    convert: str = "fuse"
+    layers: int = 0  # decoder layers of a transformer model (the llama factory)
 
     def describe_input(self) -> str:
         """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""
@@ -376,6 +416,11 @@ _EFFICIENTNET_TITLE = (
 _GN_BLOCKS_TITLE = (
     "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
     "8 GroupNorm) training step, fp16, SGD"
+)
+
+_LLAMA_TITLE = (
+    "transformers LlamaForCausalLM (random init, 8 layers, hidden 2048, 17 LlamaRMSNorm, vocab "
+    "32000, fed embeddings) training step, bf16, SGD"
 )
 
 MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
@@ -424,6 +469,21 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         dtype="float16",
         loss="mse",
         lr=1e-5,
+    ),
+    ModelWorkload(
+        name="llama_8l_h2048_s2048_b4_bf16",
+        title=_LLAMA_TITLE,
+        model="llama",
+        input_shape=(4, 2048, 2048),  # batch, sequence, hidden: the input embeddings
+        dtype="bfloat16",
+        loss="token_cross_entropy",
+        num_classes=32000,  # the vocabulary
+        lr=1e-3,
+        # float64 at batch 4 (and its fp64 attention matrices) would take ~20 GB and seconds of
+        # fp64 matmuls: batch 1 shows the same per-token numerics
+        accuracy_batch=1,
+        convert="llama_rms_norm",
+        layers=8,
     ),
 )
 

@@ -24,7 +24,10 @@ from .functional import (
     group_norm_act,
     instance_norm,
     layer_norm,
+    layer_norm2d,
+    llama_rms_norm,
     rms_norm,
+    rms_norm2d,
     row_norm_add_mul,
 )
 from .fuse import fuse
@@ -39,7 +42,10 @@ from .modules import (
     InstanceNorm2d,
     InstanceNorm3d,
     LayerNorm,
+    LayerNorm2d,
+    LlamaRMSNorm,
     RMSNorm,
+    RMSNorm2d,
     RowNormAddMul,
 )
 from .sync_batchnorm import SyncBatchNorm
@@ -55,7 +61,10 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "LayerNorm",
+    "LayerNorm2d",
+    "LlamaRMSNorm",
     "RMSNorm",
+    "RMSNorm2d",
     "RowNormAddMul",
     "add_layer_norm",
     "add_rms_norm",
@@ -67,7 +76,10 @@ __all__ = [
     "group_norm",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
+    "llama_rms_norm",
     "replace_norms",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]

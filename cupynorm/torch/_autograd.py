@@ -17,6 +17,8 @@ from ._kernels import (
     _batch_norm_act_bwd,
     _batch_norm_bwd,
     _batch_norm_fwd,
+    _channel_norm_bwd,
+    _channel_norm_fwd,
     _group_norm_act_bwd,
     _group_norm_act_fwd,
     _group_norm_bwd,
@@ -98,12 +100,14 @@ def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
 
 
 def _row_norm_setup(ctx, inputs, output) -> None:
-    # inputs: (x, residual, weight, bias, ndim, eps, rms); output: (y, sum, mean, rstd)
-    x, residual, weight, _bias, ndim, _eps, _rms = inputs
+    # inputs: (x, residual, weight, bias, ndim, eps, rms[, cast]); output: (y, sum, mean, rstd)
+    x, residual, weight, _bias, ndim, _eps, _rms = inputs[:7]
     _y, total, mean, rstd = output
     # the rows that were normalized: the sum when there is a residual
     ctx.save_for_backward(x if residual is None else total, weight, mean, rstd)
     ctx.ndim = ndim
+    ctx.cast = bool(inputs[7]) if len(inputs) > 7 else False
+    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
     ctx.set_materialize_grads(False)
 
@@ -120,9 +124,9 @@ def _make_row_norm_backward(bwd):
         if dy is not None:
             mask = [want_x, needs[2], needs[3]]
             if any(mask):
-                dx, dweight, dbias = bwd(
-                    dy, dsum if want_x else None, normalized, mean, rstd, weight, ctx.ndim, mask
-                )
+                dsum_x = dsum if want_x else None
+                args = (dy, dsum_x, normalized, mean, rstd, weight, ctx.ndim, mask)
+                dx, dweight, dbias = bwd(*args, ctx.cast) if ctx.cast else bwd(*args)
         elif want_x:
             dx = dsum
         return (
@@ -133,7 +137,8 @@ def _make_row_norm_backward(bwd):
             None,
             None,
             None,
-        )
+            None,
+        )[: ctx.n_inputs]
 
     return backward
 
@@ -287,8 +292,8 @@ class _RowNormAddMulFunction(torch.autograd.Function):
 
 class _RowNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, ndim, eps, rms):
-        inputs = (x, residual, weight, bias, ndim, eps, rms)
+    def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False):
+        inputs = (x, residual, weight, bias, ndim, eps, rms, cast)
         output = _row_norm_fwd(*inputs)
         _row_norm_setup(ctx, inputs, output)
         return output
@@ -304,3 +309,39 @@ class _GroupNormActFunction(torch.autograd.Function):
         return output
 
     backward = staticmethod(once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd)))
+
+
+# ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------
+def _channel_norm_setup(ctx, inputs, output) -> None:
+    # inputs: (x, weight, bias, eps, rms); output: (y, mean, rstd)
+    x, weight = inputs[0], inputs[1]
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+    ctx.set_materialize_grads(False)
+
+
+def _make_channel_norm_backward(bwd):
+    def backward(ctx, dy, _dmean, _drstd):
+        needs = ctx.needs_input_grad
+        if dy is None:
+            return None, None, None, None, None
+        x, weight, mean, rstd = ctx.saved_tensors
+        mask = [needs[0], needs[1], needs[2]]
+        if not any(mask):
+            return None, None, None, None, None
+        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, mask)
+        return dx, dweight, dbias, None, None
+
+    return backward
+
+
+class _ChannelNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, rms):
+        inputs = (x, weight, bias, eps, rms)
+        output = _channel_norm_fwd(*inputs)
+        _channel_norm_setup(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))

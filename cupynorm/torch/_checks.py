@@ -276,3 +276,22 @@ def check_row_norm(
             f"float32, got {', '.join(str(t.dtype) for t in params)}",
         )
     return dims
+
+
+def check_channel_norm(
+    fn: str,
+    torch_fn: Callable[..., Any],
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+) -> None:
+    """Checks of layer_norm2d / rms_norm2d: those of ``torch_fn`` (layer_norm / rms_norm) over
+    the last dimension of the channels-last view (N, *spatial, C), which is what timm's and
+    torchvision's LayerNorm2d compute."""
+    if input.dim() < 2:
+        raise InvalidInputError(
+            f"{fn}: expected input of shape (N, C, *), got a {input.dim()}-d tensor"
+        )
+    rows = input.movedim(1, -1)
+    check_row_norm(fn, torch_fn, rows, None, (input.shape[1],), weight, bias, eps)

@@ -24,6 +24,8 @@ from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
+    _channel_norm_bwd_reference,
+    _channel_norm_fwd_reference,
     _group_norm_act_bwd_reference,
     _group_norm_bwd_reference,
     _group_norm_fwd_reference,
@@ -447,19 +449,27 @@ def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.shape[: x.dim() - ndim]), tuple(x.shape[x.dim() - ndim :])
 
 
-def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=True):
+def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast=False, want_stats=True):
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     batch, row = _split(x, ndim)
     y, total, mean, rstd = _host().row_norm_fwd(
-        x, residual, _vec(weight), _vec(bias), math.prod(row), eps, rms, want_stats=want_stats
+        x,
+        residual,
+        _vec(weight),
+        _vec(bias),
+        math.prod(row),
+        eps,
+        rms,
+        want_stats=want_stats,
+        **({"cast": True} if cast else {}),
     )
     mean = None if mean is None else mean.reshape(batch)
     rstd = None if rstd is None else rstd.reshape(batch)
     return y, total, mean, rstd
 
 
-def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     _batch, row = _split(x, ndim)
     dsum = None if dsum is None else dsum.contiguous()
     mean = None if mean is None else mean.contiguous()
@@ -472,6 +482,7 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
         _vec(weight),
         math.prod(row),
         tuple(output_mask),
+        **({"cast": True} if cast else {}),
     )
     pdtype = _param_dtype(x, weight)
     dx = dx.reshape(x.shape) if output_mask[0] else None
@@ -480,26 +491,27 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
     return dx, dweight, dbias
 
 
-def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms, cast=False):
     if x.is_cuda:
-        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms)
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)
+        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast)
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)
 
 
-def _row_norm_output(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_output(x, residual, weight, bias, ndim, eps, rms, cast=False):
     """(y, sum) alone (no autograd)."""
     if x.is_cuda:
-        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, want_stats=False)[:2]
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms)[:2]
+        args = (x, residual, weight, bias, ndim, eps, rms, cast)
+        return _row_norm_fwd_cuda(*args, want_stats=False)[:2]
+    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)[:2]
 
 
-def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     if x.is_cuda:
-        return _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
-    return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask)
+        return _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast)
+    return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast)
 
 
-def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms):
+def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms, cast=False):
     batch, _row = _split(x, ndim)
     rstd = x.new_empty(batch, dtype=_stat_dtype(x.dtype))
     mean = None if rms else torch.empty_like(rstd)
@@ -508,11 +520,74 @@ def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms):
     return y, total, mean, rstd
 
 
-def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     _batch, row = _split(x, ndim)
     pdtype = _param_dtype(x, weight)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else None,
         x.new_empty(row, dtype=pdtype) if output_mask[1] else None,
         x.new_empty(row, dtype=pdtype) if output_mask[2] else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# channel norms: LayerNorm / RMSNorm over dim 1 of (N, C, *spatial) (math in _reference.py).
+# y and dx keep x's memory format (contiguous, channels_last / channels_last_3d; other strides:
+# contiguous); mean/rstd are (N, *spatial), mean None for RMSNorm; dweight/dbias are (C,).
+# ---------------------------------------------------------------------------------------------
+def _channel_norm_fwd_cuda(x, weight, bias, eps, rms, want_stats=True):
+    x, _fmt = _dense(x)
+    return _host().channel_norm_fwd(x, _vec(weight), _vec(bias), eps, rms, want_stats=want_stats)
+
+
+def _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask):
+    x, fmt = _dense(x)
+    dy = dy.contiguous(memory_format=fmt)
+    mean = None if mean is None else mean.contiguous()
+    dx, dweight, dbias = _host().channel_norm_bwd(
+        dy, x, mean, rstd.contiguous(), _vec(weight), tuple(output_mask)
+    )
+    pdtype = _param_dtype(x, weight)
+    dx = dx if output_mask[0] else None
+    dweight = dweight.to(pdtype) if output_mask[1] else None
+    dbias = dbias.to(pdtype) if output_mask[2] else None
+    return dx, dweight, dbias
+
+
+def _channel_norm_fwd(x, weight, bias, eps, rms):
+    if x.is_cuda:
+        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms)
+    return _channel_norm_fwd_reference(x, weight, bias, eps, rms)
+
+
+def _channel_norm_output(x, weight, bias, eps, rms):
+    """y alone (no autograd)."""
+    if x.is_cuda:
+        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms, want_stats=False)[0]
+    return _channel_norm_fwd_reference(x, weight, bias, eps, rms)[0]
+
+
+def _channel_norm_bwd(dy, x, mean, rstd, weight, output_mask):
+    if x.is_cuda:
+        return _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask)
+    return _channel_norm_bwd_reference(dy, x, mean, rstd, weight, output_mask)
+
+
+def _channel_norm_stats_shape(x: Tensor) -> tuple[int, ...]:
+    return (x.shape[0], *x.shape[2:])
+
+
+def _channel_norm_fwd_fake(x, weight, bias, eps, rms):
+    rstd = x.new_empty(_channel_norm_stats_shape(x), dtype=_stat_dtype(x.dtype))
+    mean = None if rms else torch.empty_like(rstd)
+    return _empty_out(x), mean, rstd
+
+
+def _channel_norm_bwd_fake(dy, x, mean, rstd, weight, output_mask):
+    pdtype = _param_dtype(x, weight)
+    C = x.shape[1]
+    return (
+        _empty_out(x) if output_mask[0] else None,
+        x.new_empty((C,), dtype=pdtype) if output_mask[1] else None,
+        x.new_empty((C,), dtype=pdtype) if output_mask[2] else None,
     )

@@ -20,10 +20,14 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
                        bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
-    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms)
+    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False)
         -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
-    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask)
+                                    # cast: LlamaRMSNorm's rounding of xhat before the weight
+    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask, cast=False)
         -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
+    channel_norm_fwd(x, weight?, bias?, eps, rms)
+        -> (y, mean?, rstd)          # LayerNorm / RMSNorm over dim 1, stats (N, *spatial)
+    channel_norm_bwd(dy, x, mean?, rstd, weight?, output_mask) -> (dx?, dweight?, dbias?)
 
 Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
 input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
@@ -40,11 +44,13 @@ import torch
 from ._autograd import (
     _batch_norm_act_setup,
     _batch_norm_setup,
+    _channel_norm_setup,
     _group_norm_act_setup,
     _group_norm_setup,
     _instance_norm_setup,
     _make_batch_norm_act_backward,
     _make_batch_norm_backward,
+    _make_channel_norm_backward,
     _make_group_norm_act_backward,
     _make_group_norm_backward,
     _make_row_norm_add_mul_backward,
@@ -60,6 +66,10 @@ from ._kernels import (
     _batch_norm_fwd_cuda,
     _batch_norm_fwd_fake,
     _batch_norm_fwd_op_kernel,
+    _channel_norm_bwd_cuda,
+    _channel_norm_bwd_fake,
+    _channel_norm_fwd_cuda,
+    _channel_norm_fwd_fake,
     _group_norm_act_bwd_cuda,
     _group_norm_act_bwd_fake,
     _group_norm_act_fwd_cuda,
@@ -85,6 +95,8 @@ from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
     _batch_norm_fwd_reference,
+    _channel_norm_bwd_reference,
+    _channel_norm_fwd_reference,
     _group_norm_act_bwd_reference,
     _group_norm_bwd_reference,
     _group_norm_fwd_reference,
@@ -151,11 +163,20 @@ _SCHEMAS = {
     ),
     "row_norm_fwd": (
         "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
-        " float eps, bool rms) -> (Tensor, Tensor?, Tensor?, Tensor)"
+        " float eps, bool rms, bool cast=False) -> (Tensor, Tensor?, Tensor?, Tensor)"
     ),
     "row_norm_bwd": (
         "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
-        " Tensor? weight, int ndim, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
+        " Tensor? weight, int ndim, bool[3] output_mask, bool cast=False)"
+        " -> (Tensor?, Tensor?, Tensor?)"
+    ),
+    "channel_norm_fwd": (
+        "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms)"
+        " -> (Tensor, Tensor?, Tensor)"
+    ),
+    "channel_norm_bwd": (
+        "channel_norm_bwd(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor? weight,"
+        " bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
     ),
 }
 
@@ -206,6 +227,16 @@ _KERNELS = {
     ),
     "row_norm_fwd": (_row_norm_fwd_cuda, _row_norm_fwd_reference, _row_norm_fwd_fake),
     "row_norm_bwd": (_row_norm_bwd_cuda, _row_norm_bwd_reference, _row_norm_bwd_fake),
+    "channel_norm_fwd": (
+        _channel_norm_fwd_cuda,
+        _channel_norm_fwd_reference,
+        _channel_norm_fwd_fake,
+    ),
+    "channel_norm_bwd": (
+        _channel_norm_bwd_cuda,
+        _channel_norm_bwd_reference,
+        _channel_norm_bwd_fake,
+    ),
 }
 
 for _name, _schema in _SCHEMAS.items():
@@ -229,6 +260,8 @@ row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
 row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
 row_norm_fwd_op = _torch_ops.row_norm_fwd.default
 row_norm_bwd_op = _torch_ops.row_norm_bwd.default
+channel_norm_fwd_op = _torch_ops.channel_norm_fwd.default
+channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
 
 torch.library.register_autograd(
     "cupynorm::group_norm_fwd",
@@ -270,5 +303,11 @@ torch.library.register_autograd(
     "cupynorm::row_norm_fwd",
     _make_row_norm_backward(row_norm_bwd_op),
     setup_context=_row_norm_setup,
+    lib=_lib,
+)
+torch.library.register_autograd(
+    "cupynorm::channel_norm_fwd",
+    _make_channel_norm_backward(channel_norm_bwd_op),
+    setup_context=_channel_norm_setup,
     lib=_lib,
 )

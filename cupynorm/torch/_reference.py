@@ -290,7 +290,9 @@ def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
 #   backward, g = dy * weight, <.> the mean over the row:
 #     dx = rstd * (g - <g> - xhat * <g xhat>)   (RMSNorm: without <g>), plus dsum if given
 #     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
-def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
+#   cast (RMSNorm of Hugging Face's LlamaRMSNorm): xhat is rounded to x's dtype before the weight
+#     multiplies it, and dweight sums dy * that rounded xhat; dx as RMSNorm's
+def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast=False):
     total = None
     if residual is not None:
         total = (x + residual).contiguous()
@@ -302,6 +304,8 @@ def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
         mean = None
         rstd = torch.rsqrt(xs.square().mean(dim=1) + eps)
         xhat = xs * rstd[:, None]
+        if cast:
+            xhat = xhat.to(x.dtype).to(stat)
     else:
         var, mean = torch.var_mean(xs, dim=1, correction=0)
         rstd = torch.rsqrt(var + eps)
@@ -315,7 +319,7 @@ def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms):
     return y, total, mean, rstd.reshape(batch)
 
 
-def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
+def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
     stat = _stat_dtype(x.dtype)
     row = x.shape[x.dim() - ndim :]
     D = math.prod(row)
@@ -333,7 +337,38 @@ def _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask):
             dxs = dxs + dsum.to(stat).reshape(-1, D)
         dx = dxs.reshape(x.shape).to(x.dtype).contiguous()
     if output_mask[1]:
+        if cast:
+            xhat = xhat.to(x.dtype).to(stat)
         dweight = (dys * xhat).sum(dim=0).reshape(row).to(_param_dtype(x, weight))
     if output_mask[2]:
         dbias = dys.sum(dim=0).reshape(row).to(_param_dtype(x, weight))
+    return dx, dweight, dbias
+
+
+# ---- channel norms: LayerNorm / RMSNorm over dim 1 of (N, C, *spatial), per (sample, pixel) --
+#   the row norm of the (N, *spatial, C) view, C values per row (the math above with D = C);
+#   mean/rstd have shape (N, *spatial) (mean None for RMSNorm); y and dx keep x's memory format
+def _channels_to_rows(x: Tensor) -> Tensor:
+    return x.permute(0, *range(2, x.dim()), 1)
+
+
+def _rows_to_channels(t: Tensor) -> Tensor:
+    return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
+
+
+def _channel_norm_fwd_reference(x, weight, bias, eps, rms):
+    fmt = _layout(x) or torch.contiguous_format
+    y, _total, mean, rstd = _row_norm_fwd_reference(
+        _channels_to_rows(x), None, weight, bias, 1, eps, rms
+    )
+    return _rows_to_channels(y).contiguous(memory_format=fmt), mean, rstd
+
+
+def _channel_norm_bwd_reference(dy, x, mean, rstd, weight, output_mask):
+    fmt = _layout(x) or torch.contiguous_format
+    dx, dweight, dbias = _row_norm_bwd_reference(
+        _channels_to_rows(dy), None, _channels_to_rows(x), mean, rstd, weight, 1, output_mask
+    )
+    if dx is not None:
+        dx = _rows_to_channels(dx).contiguous(memory_format=fmt)
     return dx, dweight, dbias

@@ -35,7 +35,9 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
 **Functional API** (:func:`group_norm`, :func:`group_norm_act`, :func:`instance_norm`,
 :func:`batch_norm`, :func:`batch_norm_act`,
 :func:`row_norm_add_mul`, :func:`layer_norm`, :func:`rms_norm`, :func:`add_layer_norm`,
-:func:`add_rms_norm`): ``torch.nn.functional`` semantics and argument names; CUDA tensors run
+:func:`add_rms_norm`, over the channels of ``(N, C, *)`` :func:`layer_norm2d`,
+:func:`rms_norm2d`; :func:`llama_rms_norm`, Hugging Face's LlamaRMSNorm formula):
+``torch.nn.functional`` semantics and argument names; CUDA tensors run
 on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
 other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
@@ -54,6 +56,7 @@ from . import _checks
 from ._autograd import (
     _BatchNormActFunction,
     _BatchNormFunction,
+    _ChannelNormFunction,
     _GroupNormActFunction,
     _GroupNormFunction,
     _InstanceNormFunction,
@@ -62,6 +65,7 @@ from ._autograd import (
 )
 from ._kernels import (
     _batch_norm_fwd,
+    _channel_norm_output,
     _group_norm_act_output,
     _group_norm_output,
     _instance_norm_fwd,
@@ -71,13 +75,14 @@ from ._kernels import (
 from ._library import (
     batch_norm_act_fwd_op,
     batch_norm_fwd_op,
+    channel_norm_fwd_op,
     group_norm_act_fwd_op,
     group_norm_fwd_op,
     instance_norm_fwd_op,
     row_norm_add_mul_fwd_op,
     row_norm_fwd_op,
 )
-from ._reference import ACTIVATIONS
+from ._reference import ACTIVATIONS, _layout
 
 __all__ = [
     "add_layer_norm",
@@ -88,7 +93,10 @@ __all__ = [
     "group_norm_act",
     "instance_norm",
     "layer_norm",
+    "layer_norm2d",
+    "llama_rms_norm",
     "rms_norm",
+    "rms_norm2d",
     "row_norm_add_mul",
 ]
 
@@ -185,8 +193,10 @@ def _default_rms_eps(x: Tensor) -> float:
     return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
 
 
-def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, Tensor | None]:
-    args = (x, residual, weight, bias, ndim, eps, rms)
+def _apply_row_norm(
+    x, residual, weight, bias, ndim, eps, rms, cast=False
+) -> tuple[Tensor, Tensor | None]:
+    args = (x, residual, weight, bias, ndim, eps, rms, cast)
     if _traced(x):
         return row_norm_fwd_op(*args)[:2]
     if torch.is_grad_enabled() and any(
@@ -194,6 +204,14 @@ def _apply_row_norm(x, residual, weight, bias, ndim, eps, rms) -> tuple[Tensor, 
     ):
         return _RowNormFunction.apply(*args)[:2]
     return _row_norm_output(*args)
+
+
+def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
+    if _traced(x):
+        return channel_norm_fwd_op(x, weight, bias, eps, rms)[0]
+    if _wants_grad(x, weight, bias):
+        return _ChannelNormFunction.apply(x, weight, bias, eps, rms)[0]
+    return _channel_norm_output(x, weight, bias, eps, rms)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,3 +680,169 @@ def add_rms_norm(
     if eps is None:
         eps = _default_rms_eps(x)
     return _apply_row_norm(x, residual, weight, None, len(dims), eps, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm and RMSNorm over the channels (dim 1) of (N, C, *), per sample and pixel
+# ---------------------------------------------------------------------------------------------
+def _over_channels(fn, input: Tensor, *args) -> Tensor:
+    """``fn`` (F.layer_norm / F.rms_norm) over the last dim of the channels-last view, as timm's
+    and torchvision's LayerNorm2d compute it, returned in the input's memory format."""
+    rows = input.movedim(1, -1)
+    y = fn(rows, (input.shape[1],), *args).movedim(-1, 1)
+    fmt = _layout(input) or torch.contiguous_format
+    return y.contiguous(memory_format=fmt)
+
+
+def layer_norm2d(
+    input: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    r"""Layer normalization over the channels of :math:`(N, C, *)`, per sample and position:
+    what timm's and torchvision's ``LayerNorm2d`` (ConvNeXt) compute.
+
+    Each of the ``C`` values at one sample and spatial position is normalized over the channels:
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s} - \mathrm{E}_c[x_{n,:,s}]}
+            {\sqrt{\mathrm{Var}_c[x_{n,:,s}] + \epsilon}} * \gamma_c + \beta_c
+
+    with the biased variance, accumulated in float32 (float64 for float64 input). That is
+    :func:`torch.nn.functional.layer_norm` over ``(C,)`` of ``input.movedim(1, -1)``, moved back.
+    Under CUDA autocast the computation runs in float32, as torch's ``layer_norm`` does.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)`; CUDA tensors (float16, bfloat16, float32,
+            float64; contiguous or channels_last, other strides are copied) run on cupynorm's
+            kernels, tensors on other devices through :func:`torch.nn.functional.layer_norm`.
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)` (the input's dtype or
+            float32), or None.
+        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
+        eps: added to the variance for numerical stability. Default: 1e-5
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input (contiguous or
+          channels_last)
+
+    Example::
+
+        >>> x = torch.randn(8, 96, 56, 56, device="cuda", requires_grad=True)
+        >>> y = cupynorm.torch.layer_norm2d(x, torch.ones(96, device="cuda"))
+        >>> y.sum().backward()
+    """
+    _checks.check_tensor("layer_norm2d", "input", input)
+    if not _use_kernels(input):
+        return _over_channels(F.layer_norm, input, weight, bias, eps)
+    _checks.check_channel_norm("layer_norm2d", F.layer_norm, input, weight, bias, eps)
+    if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
+        input = input.float()
+        weight = None if weight is None else weight.float()
+        bias = None if bias is None else bias.float()
+    return _apply_channel_norm(input, weight, bias, eps, False)
+
+
+def rms_norm2d(
+    input: Tensor,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+) -> Tensor:
+    r"""Root-mean-square normalization over the channels of :math:`(N, C, *)`, per sample and
+    position (timm's ``RmsNorm2d``; KernelBench level 1 problem 36 without a weight):
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s}}{\sqrt{\mathrm{E}_c[x_{n,:,s}^2] + \epsilon}} * \gamma_c
+
+    accumulated in float32 (float64 for float64 input): :func:`torch.nn.functional.rms_norm`
+    over ``(C,)`` of ``input.movedim(1, -1)``, moved back. Under CUDA autocast the call goes to
+    torch's own ``rms_norm``.
+
+    Args:
+        input: tensor of shape :math:`(N, C, *)` (CUDA tensors as :func:`layer_norm2d`).
+        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of the type
+            the norm computes in (float32; float64 for float64 input).
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: :math:`(N, C, *)`, same memory format as the input
+
+    Example::
+
+        >>> x = torch.randn(16, 64, 256, 256, device="cuda")
+        >>> y = cupynorm.torch.rms_norm2d(x, eps=1e-5)
+    """
+    _checks.check_tensor("rms_norm2d", "input", input)
+    if not _use_kernels(input) or torch.is_autocast_enabled():
+        return _over_channels(F.rms_norm, input, weight, eps)
+    _checks.check_channel_norm("rms_norm2d", F.rms_norm, input, weight, None, eps)
+    if eps is None:
+        eps = _default_rms_eps(input)
+    return _apply_channel_norm(input, weight, None, eps, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face's RMSNorm layers of Llama's formula (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm...)
+# ---------------------------------------------------------------------------------------------
+_LLAMA_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _llama_rms_norm_torch(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """LlamaRMSNorm.forward of transformers, op for op (the reference and the fallback)."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return h.to(input_dtype) if weight is None else weight * h.to(input_dtype)
+
+
+def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e-6) -> Tensor:
+    r"""RMSNorm as Hugging Face's ``LlamaRMSNorm`` computes it, on cupynorm's kernels.
+
+    .. math::
+        \hat{x} = \mathrm{round}_{x}\!\left(\frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}}\right),
+        \quad y = \gamma * \hat{x}
+
+    over the last dimension, in float32 whatever the input's dtype; :math:`\hat{x}` is rounded
+    to the input's dtype *before* the weight multiplies it (two roundings in half precision,
+    where :func:`rms_norm` has one), and the output has the dtype ``weight * xhat`` promotes to.
+    ``weight`` of another dtype than the input (float32 weights, bfloat16 activations) is
+    multiplied by torch after the kernel, as the layer does. The backward is the autograd of
+    that formula: dweight sums ``dy * xhat`` with the rounded xhat, the rounding passes the
+    gradient unchanged.
+
+    Args:
+        hidden_states: tensor of shape :math:`(*, H)`; CUDA tensors of float16, bfloat16 or
+            float32 run on cupynorm's kernels. Other tensors (float64, which the layer normalizes
+            in float32, or on other devices) and weights that are not a vector of H values run
+            the layer's own torch formula.
+        weight: scale :math:`\gamma` of shape :math:`(H,)`, or None.
+        eps: added to the mean square (the layer's ``variance_epsilon``). Default: 1e-6
+
+    Example::
+
+        >>> y = cupynorm.torch.llama_rms_norm(h, layer.weight, layer.variance_epsilon)
+    """
+    _checks.check_tensor("llama_rms_norm", "hidden_states", hidden_states)
+    x = hidden_states
+    if (
+        not _use_kernels(x)
+        or x.dtype not in _LLAMA_KERNEL_DTYPES
+        or x.dim() == 0
+        or not isinstance(eps, (int, float))
+        or (
+            weight is not None
+            and (
+                not isinstance(weight, Tensor)
+                or tuple(weight.shape) != (x.shape[-1],)
+                or weight.dtype not in _LLAMA_KERNEL_DTYPES + (torch.float64,)
+                or weight.device != x.device
+            )
+        )
+    ):
+        return _llama_rms_norm_torch(x, weight, eps)
+    if weight is not None and weight.dtype != x.dtype:
+        return weight * _apply_row_norm(x, None, None, None, 1, float(eps), True, True)[0]
+    return _apply_row_norm(x, None, weight, None, 1, float(eps), True, True)[0]

@@ -29,7 +29,10 @@ from .functional import (
     group_norm_act,
     instance_norm,
     layer_norm,
+    layer_norm2d,
+    llama_rms_norm,
     rms_norm,
+    rms_norm2d,
     row_norm_add_mul,
 )
 
@@ -44,7 +47,10 @@ __all__ = [
     "InstanceNorm2d",
     "InstanceNorm3d",
     "LayerNorm",
+    "LayerNorm2d",
+    "LlamaRMSNorm",
     "RMSNorm",
+    "RMSNorm2d",
     "RowNormAddMul",
 ]
 
@@ -466,3 +472,107 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+class LayerNorm2d(torch.nn.LayerNorm):
+    r"""Layer normalization over the channels of :math:`(N, C, *)`, per sample and position, on
+    cupynorm's kernels: a drop-in for timm's and torchvision's ``LayerNorm2d`` (ConvNeXt).
+
+    A :class:`torch.nn.LayerNorm` with ``normalized_shape = C`` (same constructor, parameters,
+    ``state_dict`` and repr) whose forward normalizes dim 1 instead of the last dims:
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s} - \mathrm{E}_c[x_{n,:,s}]}
+            {\sqrt{\mathrm{Var}_c[x_{n,:,s}] + \epsilon}} * \gamma_c + \beta_c
+
+    Args:
+        normalized_shape: the number of channels ``C``
+        eps: added to the variance for numerical stability. Default: 1e-5
+        elementwise_affine: learnable ``weight`` (init 1) and ``bias`` (init 0).
+            Default: ``True``
+        bias: learn ``bias`` (with ``elementwise_affine``). Default: ``True``
+        device, dtype: of the parameters.
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: same shape and memory format (contiguous or channels_last)
+
+    Example::
+
+        >>> m = cupynorm.torch.LayerNorm2d(96, eps=1e-6).cuda()
+        >>> y = m(torch.randn(8, 96, 56, 56, device="cuda"))
+    """
+
+    def forward(self, input: Tensor) -> Tensor:
+        return layer_norm2d(input, self.weight, self.bias, self.eps)
+
+
+class RMSNorm2d(torch.nn.RMSNorm):
+    r"""Root-mean-square normalization over the channels of :math:`(N, C, *)`, per sample and
+    position, on cupynorm's kernels (timm's ``RmsNorm2d``): a :class:`torch.nn.RMSNorm` with
+    ``normalized_shape = C`` whose forward normalizes dim 1.
+
+    .. math::
+        y_{n,c,s} = \frac{x_{n,c,s}}{\sqrt{\mathrm{E}_c[x_{n,:,s}^2] + \epsilon}} * \gamma_c
+
+    Args:
+        normalized_shape: the number of channels ``C``
+        eps: added to the mean square. Default: None, as torch: the machine epsilon of float32
+            (float64 for float64 input)
+        elementwise_affine: learnable ``weight`` (init 1). Default: ``True``
+        device, dtype: of the parameters.
+
+    Shape:
+        - Input: :math:`(N, C, *)`
+        - Output: same shape and memory format
+
+    Example::
+
+        >>> m = cupynorm.torch.RMSNorm2d(64, eps=1e-5).cuda()
+        >>> y = m(torch.randn(16, 64, 256, 256, device="cuda"))
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm2d(x, self.weight, self.eps)
+
+
+class LlamaRMSNorm(torch.nn.Module):
+    r"""Hugging Face's ``LlamaRMSNorm`` (and its copies: ``Qwen2RMSNorm``, ``MistralRMSNorm``,
+    ...) on cupynorm's kernels, with the layer's numerics (:func:`llama_rms_norm`): normalized
+    in float32, rounded to the input's dtype, then multiplied by ``weight``.
+
+    Same attributes as transformers' class: ``weight`` (init 1), ``variance_epsilon``, the
+    ``state_dict`` key ``weight`` and the ``extra_repr``. :func:`replace_norms` converts
+    transformers' layers of this formula into subclasses of this class (``include`` names it).
+
+    Args:
+        hidden_size: H, the size of the last dimension
+        eps: added to the mean square. Default: 1e-6
+        device, dtype: of ``weight``.
+
+    Shape:
+        - Input: :math:`(*, H)`
+        - Output: same shape, of the dtype ``weight * input`` promotes to
+
+    Example::
+
+        >>> m = cupynorm.torch.LlamaRMSNorm(2048).to("cuda", torch.bfloat16)
+        >>> y = m(torch.randn(4, 2048, 2048, device="cuda", dtype=torch.bfloat16))
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

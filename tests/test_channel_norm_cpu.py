@@ -1,0 +1,192 @@
+"""LayerNorm / RMSNorm over the channels of (N, C, *) on the CPU: the modules against torch.nn's
+LayerNorm / RMSNorm (signature, state_dict, repr), the kernel route (eager Function and custom
+op, on the reference kernels) against timm's permute + layer_norm and its gradients, errors as
+torch words them, fake kernels, opcheck, replace_norms on timm's and torchvision's classes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cupynorm.torch as cnt
+from cupynorm.errors import InvalidInputError
+from cupynorm.torch import _kernels, _library
+
+PAIRS = [(cnt.LayerNorm2d, nn.LayerNorm), (cnt.RMSNorm2d, nn.RMSNorm)]
+
+
+def _permuted(fn, x, *args):
+    """timm's / torchvision's LayerNorm2d: the norm of the channels-last view, moved back."""
+    rows = x.permute(0, *range(2, x.dim()), 1)
+    out = fn(rows, (x.shape[1],), *args)
+    return out.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+
+
+@pytest.mark.parametrize("ours, theirs", PAIRS, ids=["LayerNorm2d", "RMSNorm2d"])
+def test_module_signature_state_dict_repr_equal_torch(ours, theirs):
+    assert inspect.signature(ours.__init__) == inspect.signature(theirs.__init__)
+    a, b = ours(24, eps=1e-6), theirs(24, eps=1e-6)
+    assert a.state_dict().keys() == b.state_dict().keys()
+    assert repr(a) == repr(b).replace(theirs.__name__, ours.__name__)
+    a.load_state_dict(b.state_dict())
+    assert isinstance(a, theirs)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_kernel_route_matches_permuted_torch(kernel_path, fmt, rms, affine):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3, 4, generator=g, dtype=torch.float64) + 0.5
+    x = x.contiguous(memory_format=fmt).requires_grad_()
+    w = (torch.rand(5, generator=g, dtype=torch.float64) + 0.5).requires_grad_() if affine else None
+    b = torch.randn(5, generator=g, dtype=torch.float64).requires_grad_() if affine else None
+    if rms:
+        out, ref = cnt.rms_norm2d(x, w, 1e-5), _permuted(F.rms_norm, x, w, 1e-5)
+    else:
+        out, ref = cnt.layer_norm2d(x, w, b, 1e-5), _permuted(F.layer_norm, x, w, b, 1e-5)
+    assert out.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(out, ref)
+    dy = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    leaves = [t for t in (x, w, None if rms else b) if t is not None]
+    got = torch.autograd.grad(out, leaves, dy)
+    expected = torch.autograd.grad(ref, leaves, dy)
+    for a, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, e)
+    assert got[0].is_contiguous(memory_format=fmt)
+
+
+def test_rms_norm2d_default_eps_is_torchs(kernels):
+    x = torch.randn(2, 3, 4, 4) * 1e-4
+    torch.testing.assert_close(cnt.rms_norm2d(x), _permuted(F.rms_norm, x, None, None))
+
+
+def test_cpu_tensors_go_to_torch():
+    x = torch.randn(2, 6, 3, 3).contiguous(memory_format=torch.channels_last)
+    m = cnt.LayerNorm2d(6)
+    out = m(x)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out, _permuted(F.layer_norm, x, m.weight, m.bias, m.eps))
+
+
+def _op_samples():
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape):
+        return torch.randn(shape, generator=g, dtype=torch.float64)
+
+    fwd, bwd = _library.channel_norm_fwd_op, _library.channel_norm_bwd_op
+    x = r(2, 5, 3, 4)
+    return [
+        ("ln", fwd, (x, r(5), r(5), 1e-5, False)),
+        ("rms_cl", fwd, (x.contiguous(memory_format=torch.channels_last), None, None, 1e-6, True)),
+        ("bwd_ln", bwd, (r(2, 5, 3, 4), x, r(2, 3, 4), r(2, 3, 4).abs(), r(5), [True, True, True])),
+        ("bwd_rms", bwd, (r(2, 5, 3, 4), x, None, r(2, 3, 4).abs(), None, [True, False, False])),
+    ]
+
+
+@pytest.mark.parametrize("name, op, args", _op_samples(), ids=[s[0] for s in _op_samples()])
+def test_opcheck(name, op, args):
+    torch.library.opcheck(op, args)
+
+
+def test_gradcheck_op():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    op = _library.channel_norm_fwd_op
+    assert torch.autograd.gradcheck(lambda x, w, b: op(x, w, b, 1e-5, False)[0], (x, w, b))
+    assert torch.autograd.gradcheck(lambda x, w: op(x, w, None, 1e-5, True)[0], (x, w))
+
+
+def test_fake_kernels_match_the_reference_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        x = torch.randn(2, 5, 3, 4).to(torch.bfloat16).contiguous(memory_format=fmt)
+        for rms in (False, True):
+            real = _kernels._channel_norm_fwd_reference(x, None, None, 1e-5, rms)
+            with FakeTensorMode() as mode:
+                fake = _kernels._channel_norm_fwd_fake(mode.from_tensor(x), None, None, 1e-5, rms)
+            for r, f in zip(real, fake, strict=True):
+                assert (r is None) == (f is None)
+                if r is not None:
+                    assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+@pytest.mark.parametrize(
+    "shape, weight_shape",
+    [((2, 5, 3, 3), (4,)), ((2, 5, 3, 3), (5, 1))],
+)
+def test_parameter_errors_are_torchs(kernels, shape, weight_shape):
+    x, w = torch.randn(shape), torch.randn(weight_shape)
+    with pytest.raises(RuntimeError) as theirs:
+        _permuted(F.layer_norm, x, w, None, 1e-5)
+    with pytest.raises(RuntimeError) as ours:
+        cnt.layer_norm2d(x, w)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_one_dimensional_input_is_refused(kernels):
+    with pytest.raises(InvalidInputError, match="expected input of shape"):
+        cnt.layer_norm2d(torch.randn(5))
+
+
+def test_replace_norms_converts_timm_and_torchvision_channel_norms_when_included():
+    timm_layers = pytest.importorskip("timm.layers")
+    modules = [timm_layers.LayerNorm2d(8), timm_layers.RmsNorm2d(8)]
+    try:
+        from torchvision.models.convnext import LayerNorm2d as TorchvisionLayerNorm2d
+
+        modules.append(TorchvisionLayerNorm2d(8, eps=1e-6))
+    except ImportError:
+        pass
+    model = nn.Sequential(*modules, nn.LayerNorm(6), nn.Conv2d(8, 8, 1))  # LayerNorm: over W
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape))
+    x = torch.randn(2, 8, 5, 6)
+    expected = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnt.replace_norms(model)  # not included: left alone, no warning
+    assert not any(isinstance(m, (cnt.LayerNorm2d, cnt.RMSNorm2d)) for m in model)
+    cnt.replace_norms(model, include=(nn.LayerNorm, nn.RMSNorm))
+    assert isinstance(model[0], cnt.LayerNorm2d) and isinstance(model[0], timm_layers.LayerNorm2d)
+    assert isinstance(model[1], cnt.RMSNorm2d) and isinstance(model[1], timm_layers.RmsNorm2d)
+    assert all(isinstance(m, cnt.LayerNorm2d) for m in modules[2:])
+    assert type(model[-2]) is cnt.LayerNorm
+    torch.testing.assert_close(model(x), expected)
+    cnt.replace_norms(model, include=(nn.LayerNorm, nn.RMSNorm))  # again: nothing changes
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_a_module_computing_something_else_is_not_a_channel_norm():
+    class Scaled(nn.LayerNorm):
+        def forward(self, x):
+            x = x.permute(0, 2, 3, 1)
+            x = F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return 2 * x.permute(0, 3, 1, 2)
+
+    model = nn.Sequential(Scaled(4))
+    with pytest.warns(UserWarning, match="left alone"):
+        cnt.replace_norms(model, include=(nn.LayerNorm,))
+    assert type(model[0]) is Scaled
+
+
+def test_timm_rms_norm2d_with_llama_included_is_still_a_channel_norm():
+    """Its class name says RMSNorm, so the Llama probe looks at it first; not of that formula,
+    it goes on to the channel-norm probe instead of being left alone."""
+    timm_layers = pytest.importorskip("timm.layers")
+    model = nn.Sequential(timm_layers.RmsNorm2d(8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cnt.replace_norms(model, include=(nn.RMSNorm, cnt.LlamaRMSNorm))
+    assert isinstance(model[0], cnt.RMSNorm2d)
