@@ -61,8 +61,8 @@ __device__ __forceinline__ double rsqrt_acc(double v) { return rsqrt(v); }
 // sigmoid(t) = 1 / (1 + exp(-t)), the fused SiLU's: in float with the hardware's approximate
 // exp2 and reciprocal (a few ulp, far below a half-precision output's rounding); expf and an IEEE
 // division made the SiLU epilogue compute-bound (GroupNorm(32) + SiLU fp16 16x320x64x64 on an
-// H200: forward 0.050 ms against the plain GroupNorm's 0.033). Exact in double. Large |t| gives
-// 0 or 1, NaN stays NaN.
+// H200: forward 0.050 ms, 0.037 with this, against the plain GroupNorm's 0.033; backward 0.138,
+// 0.106 with this). Exact in double. Large |t| gives 0 or 1, NaN stays NaN.
 __device__ __forceinline__ float sigmoid_acc(float t) {
     return __fdividef(1.0f, 1.0f + __expf(-t));
 }
