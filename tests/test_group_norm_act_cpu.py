@@ -239,8 +239,13 @@ class _NormTail(nn.GroupNorm):
 
 @pytest.mark.parametrize(
     "act,drop,fused",
-    [(nn.SiLU(), None, True), (nn.ReLU(), None, True), (nn.GELU(), None, False)],
-    ids=["silu", "relu", "gelu"],
+    [
+        (nn.SiLU(), None, True),
+        (nn.ReLU(), None, True),
+        (nn.GELU(), None, False),
+        (nn.SiLU(), nn.Dropout(0.0), False),  # a drop module: its own tail, never fused
+    ],
+    ids=["silu", "relu", "gelu", "dropout"],
 )
 def test_fuse_norm_act_subclass_runs_the_fused_op(monkeypatch, act, drop, fused):
     """A norm-act subclass replace_norms adopts with its tail: on the fused op when its act is a

@@ -201,7 +201,11 @@ def _fuse_group_norm_tails(model: torch.nn.Module, report: list[str] | None) -> 
         if tail == ("drop", "act") and issubclass(adopted, modules.GroupNorm)
     }
     for name, module in model.named_modules():
-        if type(module) in tails and type(module.act) in _ACT_MODULES:
+        if (
+            type(module) in tails
+            and type(module.act) in _ACT_MODULES
+            and type(module.drop) is torch.nn.Identity
+        ):
             module.__class__ = _fused_tail_class(type(module))
             if report is not None:
                 report.append(f"{name} + {_ACT_MODULES[type(module.act)]}")
