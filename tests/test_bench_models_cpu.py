@@ -435,7 +435,9 @@ def test_missing_torchvision_is_an_error_row_and_exit_1(
     models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     # the fixture swaps the device only: the real resnet50 factory imports torchvision
-    monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails
+    # import fails, also of a submodule an earlier test imported (sys.modules answers first)
+    for name in [m for m in sys.modules if m.startswith("torchvision.")] + ["torchvision"]:
+        monkeypatch.setitem(sys.modules, name, None)
     argv = ["bench", "--reps", "2", "--no-compile", "--only", "resnet50_b64_bf16_cl,gn_blocks_fp16"]
     assert main(argv) == 1
     captured = capsys.readouterr()

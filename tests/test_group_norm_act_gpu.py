@@ -108,7 +108,14 @@ def test_group_norm_act_matches_unfused(dtype, act, params, shape, groups, fmt):
         assert w.grad.dtype == w.dtype and b.grad.dtype == b.dtype
     # and torch's unfused sequence in the input's dtype: within the same bound of float64
     xt = x.detach().clone().requires_grad_()
-    yt = ACTS[act](F.group_norm(xt, groups, w, b, 1e-5))
+    try:
+        yt = ACTS[act](F.group_norm(xt, groups, w, b, 1e-5))
+    except RuntimeError:
+        # torch's CUDA group_norm may refuse parameters of another dtype than a half-precision
+        # input (cupynorm takes them, as its plain group_norm does); float64 was checked above
+        if w is None or w.dtype == x.dtype:
+            raise
+        return
     yt.backward(dy)
     _close(y.detach(), yt.detach(), dtype, "y vs torch", factor=2)
     _close(x.grad, xt.grad, dtype, "dx vs torch", factor=2)
