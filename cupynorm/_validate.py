@@ -108,9 +108,11 @@ def check_param(
         )
 
 
-def _check_affine(x: Any, weight: Any, bias: Any, num_channels: int) -> None:
-    check_param(weight, x, "weight", num_channels)
-    check_param(bias, x, "bias", num_channels)
+def _check_affine(
+    x: Any, weight: Any, bias: Any, num_channels: int, shape: tuple[int, ...] | None = None
+) -> None:
+    check_param(weight, x, "weight", num_channels, shape=shape)
+    check_param(bias, x, "bias", num_channels, shape=shape)
     if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
         raise InvalidTypeError(
             f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
@@ -301,15 +303,8 @@ def check_row_norm(
             f"expected an input whose last dimensions are normalized_shape={normalized_shape}, "
             f"got shape {tuple(x.shape)}"
         )
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        check_param(p, x, name, _prod(normalized_shape), shape=tuple(normalized_shape))
-    if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
-        raise InvalidTypeError(
-            f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
-            f"{_dtype_name(bias)}"
-        )
+    shape = tuple(normalized_shape)
+    _check_affine(x, weight, bias, _prod(shape), shape)
     if eps is not None:
         _check_number(eps, "eps")
 
@@ -329,13 +324,6 @@ def check_channel_norm(x: Any, weight: Any, bias: Any, eps: Any) -> None:
     C = x.shape[1]
     if C <= 0:
         raise InvalidInputError(f"expected at least one channel, got shape {tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None:
-            check_param(p, x, name, C, shape=(C,))
-    if weight is not None and bias is not None and _dtype_name(weight) != _dtype_name(bias):
-        raise InvalidTypeError(
-            f"weight and bias must have the same dtype, got {_dtype_name(weight)} and "
-            f"{_dtype_name(bias)}"
-        )
+    _check_affine(x, weight, bias, C)
     if eps is not None:
         _check_number(eps, "eps")
