@@ -708,6 +708,22 @@ def _to_channels(t: Any) -> Any:
     return t.permute(*order) if _interop.is_torch_tensor(t) else t.transpose(order)
 
 
+#: (device, dtype, parameter dtype, C, backward) -> whether the channels family has a plan
+_CHANNEL_FITS: dict[tuple, bool] = {}
+
+
+def _channel_fits(x: Any, param: Any, C: int, backward: bool) -> bool:
+    """_channel.fits, asked once per signature: the routers below are not recorded, so they
+    run on every call and would otherwise set up a _Call and query the kernel each time."""
+    bk = _interop.backend_of(x)
+    dtype = bk.dtype_name(param) if param is not None else None
+    key = (bk.device_id(x), bk.dtype_name(x), dtype, C, backward)
+    fits = _CHANNEL_FITS.get(key)
+    if fits is None:
+        fits = _CHANNEL_FITS[key] = _channel.fits(_Call(x, param), C, backward)
+    return fits
+
+
 def channel_norm_fwd(
     x: Any, weight: Any, bias: Any, eps: float, rms: bool, *, want_stats: bool = True
 ) -> tuple:
@@ -727,7 +743,7 @@ def channel_norm_fwd(
             _to_rows(x), None, weight, bias, C, eps, rms, want_stats=want_stats
         )
         y = _to_channels(y)
-    elif _channel.fits(_Call(x, weight if weight is not None else bias), C, backward=False):
+    elif _channel_fits(x, weight if weight is not None else bias, C, backward=False):
         y, mean, rstd = _channel_norm_fwd(x, weight, bias, eps, rms, want_stats=want_stats)
     else:  # more channels than one CTA holds: the row norm on a channels-last copy
         rows = bk.contiguous(_to_rows(x))
@@ -769,7 +785,7 @@ def channel_norm_bwd(
         )
         return (None if dx is None else _to_channels(dx)), dweight, dbias
     dy = bk.contiguous(dy)
-    if _channel.fits(_Call(x, weight), C, backward=True):
+    if _channel_fits(x, weight, C, backward=True):
         return _channel_norm_bwd(dy, x, mean, rstd, weight, needs_input_grad)
     dx, dweight, dbias = row_norm_bwd(
         bk.contiguous(_to_rows(dy)),
