@@ -263,51 +263,27 @@ row_norm_bwd_op = _torch_ops.row_norm_bwd.default
 channel_norm_fwd_op = _torch_ops.channel_norm_fwd.default
 channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
 
-torch.library.register_autograd(
-    "cupynorm::group_norm_fwd",
-    _make_group_norm_backward(group_norm_bwd_op, 5, 2),
-    setup_context=_group_norm_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::group_norm_act_fwd",
-    _make_group_norm_act_backward(group_norm_act_bwd_op),
-    setup_context=_group_norm_act_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::instance_norm_fwd",
-    _make_group_norm_backward(group_norm_bwd_op, 7, 1),
-    setup_context=_instance_norm_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::batch_norm_fwd",
-    _make_batch_norm_backward(batch_norm_bwd_op),
-    setup_context=_batch_norm_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::batch_norm_act_fwd",
-    _make_batch_norm_act_backward(batch_norm_act_bwd_op),
-    setup_context=_batch_norm_act_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::row_norm_add_mul_fwd",
-    _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
-    setup_context=_row_norm_add_mul_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::row_norm_fwd",
-    _make_row_norm_backward(row_norm_bwd_op),
-    setup_context=_row_norm_setup,
-    lib=_lib,
-)
-torch.library.register_autograd(
-    "cupynorm::channel_norm_fwd",
-    _make_channel_norm_backward(channel_norm_bwd_op),
-    setup_context=_channel_norm_setup,
-    lib=_lib,
-)
+# each forward op's autograd: (op, backward, setup_context)
+for _name, _backward, _setup in (
+    ("group_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 5, 2), _group_norm_setup),
+    (
+        "group_norm_act_fwd",
+        _make_group_norm_act_backward(group_norm_act_bwd_op),
+        _group_norm_act_setup,
+    ),
+    ("instance_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_setup),
+    ("batch_norm_fwd", _make_batch_norm_backward(batch_norm_bwd_op), _batch_norm_setup),
+    (
+        "batch_norm_act_fwd",
+        _make_batch_norm_act_backward(batch_norm_act_bwd_op),
+        _batch_norm_act_setup,
+    ),
+    (
+        "row_norm_add_mul_fwd",
+        _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
+        _row_norm_add_mul_setup,
+    ),
+    ("row_norm_fwd", _make_row_norm_backward(row_norm_bwd_op), _row_norm_setup),
+    ("channel_norm_fwd", _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup),
+):
+    torch.library.register_autograd(f"cupynorm::{_name}", _backward, setup_context=_setup, lib=_lib)
