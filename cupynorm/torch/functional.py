@@ -214,6 +214,11 @@ def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
     return _channel_norm_output(x, weight, bias, eps, rms)
 
 
+def _float32(*tensors: Tensor | None) -> tuple:
+    """The tensors in float32 (None stays None): the CUDA autocast policy of torch's norms."""
+    return tuple(None if t is None else t.float() for t in tensors)
+
+
 # ---------------------------------------------------------------------------------------------
 # routing (the host code validates nothing: _checks does, on the kernel route)
 # ---------------------------------------------------------------------------------------------
@@ -272,9 +277,7 @@ def group_norm(
         return F.group_norm(input, num_groups, weight, bias, eps)
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
     if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
-        input = input.float()
-        weight = None if weight is None else weight.float()
-        bias = None if bias is None else bias.float()
+        input, weight, bias = _float32(input, weight, bias)
     return _apply_group_norm(input, num_groups, weight, bias, eps)
 
 
@@ -313,9 +316,7 @@ def group_norm_act(
         return ACTIVATIONS[activation](F.group_norm(input, num_groups, weight, bias, eps))
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
     if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
-        input = input.float()
-        weight = None if weight is None else weight.float()
-        bias = None if bias is None else bias.float()
+        input, weight, bias = _float32(input, weight, bias)
     return _apply_group_norm_act(input, num_groups, weight, bias, eps, activation)
 
 
@@ -562,9 +563,7 @@ def layer_norm(
         "layer_norm", F.layer_norm, input, None, normalized_shape, weight, bias, eps
     )
     if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
-        input = input.float()
-        weight = None if weight is None else weight.float()
-        bias = None if bias is None else bias.float()
+        input, weight, bias = _float32(input, weight, bias)
     return _apply_row_norm(input, None, weight, bias, len(dims), eps, False)[0]
 
 
@@ -738,9 +737,7 @@ def layer_norm2d(
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     _checks.check_channel_norm("layer_norm2d", F.layer_norm, input, weight, bias, eps)
     if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
-        input = input.float()
-        weight = None if weight is None else weight.float()
-        bias = None if bias is None else bias.float()
+        input, weight, bias = _float32(input, weight, bias)
     return _apply_channel_norm(input, weight, bias, eps, False)
 
 
