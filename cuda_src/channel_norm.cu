@@ -22,7 +22,7 @@
 //
 // The backward's dx kernel walks tiles grid-stride with a grid of resident CTAs; each thread keeps
 // its channels' dweight / dbias sums in registers, the CTA folds them over tx into one fp32
-// partial row per CTA, and segment_norm_bwd_rows_params (segment_norm.cu) adds the rows in order:
+// partial row per CTA, and row_norm_bwd_params (row_norm.cu) adds the rows in order:
 // no atomics. Offsets are 64-bit (problem 36's tensor has 1.9e9 elements).
 #include "common.cuh"
 

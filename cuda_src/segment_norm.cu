@@ -159,32 +159,6 @@ __device__ __forceinline__ Stats team_merged(int64 seg, int team, const acc_t* p
     return merged;
 }
 
-// V consecutive per-position parameters (a row norm's weight or bias) from position pos, or
-// `absent` when there are none. One vector load per 16 bytes when the pointer allows it (a
-// scalar load per element made the LayerNorm forward issue-bound: 16 loads per 8 bf16 values).
-template <int V>
-__device__ __forceinline__ void load_row_params(const param_t* __restrict__ p, int pos,
-                                                acc_t absent, acc_t (&out)[V]) {
-    if (p == nullptr) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) out[j] = absent;
-        return;
-    }
-    constexpr int PER16 = 16 / sizeof(param_t);  // parameters in 16 bytes
-    if (V % PER16 == 0 && reinterpret_cast<unsigned long long>(p + pos) % 16 == 0) {
-#pragma unroll
-        for (int q = 0; q < V / PER16; ++q) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(p + pos + q * PER16);
-            const param_t* vals = reinterpret_cast<const param_t*>(&raw);
-#pragma unroll
-            for (int j = 0; j < PER16; ++j) out[q * PER16 + j] = to_acc(vals[j]);
-        }
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) out[j] = to_acc(p[pos + j]);
-}
-
 // The AFFINE value t, or silu(t) for the AFFINE_SILU epilogue (a compile-time choice: the plain
 // affine kernel's code is unchanged).
 template <int EPILOGUE>
@@ -548,6 +522,7 @@ extern "C" __global__ void segment_norm_bwd_instance(
 // bias indexed by position in the row, optionally after a residual add s = x + residual (s is
 // written out and normalized).
 //
+// Rows of 32 to 2048 aligned packs run on row_norm.cu (held in registers); the rest here.
 // Forward, rows a team holds on chip: segment_norm_fwd with the ROW epilogue (one read, one
 // write): segment_norm_fwd_layer / segment_norm_fwd_rms. Longer rows: the strided rows statistics
 // (strided_norm.cu), segment_norm_rms_rstd for RMS, then segment_norm_apply_rows.
@@ -563,7 +538,7 @@ extern "C" __global__ void segment_norm_bwd_instance(
 //   segment_norm_bwd_rows_merge  per row: the tiles' sums added in tile order (tiles > 1 only)
 //   segment_norm_bwd_rows_dx     per (column tile, group of rows): dx, and fp32 partial rows of
 //                                dweight / dbias over the group's rows (kept in registers)
-//   segment_norm_bwd_rows_params column sums of those partial rows, in group order
+//   row_norm_bwd_params          column sums of those partial rows, in group order (row_norm.cu)
 // ================================================================================================
 template <int V, int STAT>
 __device__ __forceinline__ void row_norm_fwd(
@@ -852,31 +827,4 @@ extern "C" __global__ void segment_norm_bwd_rows_dx_cast(
     else
         rows_bwd_dx<1, true>(x, dy, dsum, weight, mean, rstd, row_sums, dx, dweight_part,
                              dbias_part, rows, row_len, col_tiles, rows_per_group);
-}
-
-__device__ __forceinline__ void store_grad(void* out, int64 i, acc_t v, int as_param) {
-    if (as_param)
-        static_cast<param_t*>(out)[i] = from_acc<param_t>(v);
-    else
-        static_cast<acc_t*>(out)[i] = v;
-}
-
-// dweight[i] / dbias[i] = sum over groups g (in order) of the partial rows' [g, i]; written as
-// param_t (as_param) or acc_t (no weight: the accumulator's type). Null parts are skipped.
-extern "C" __global__ void segment_norm_bwd_rows_params(const acc_t* __restrict__ dweight_part,
-                                                        const acc_t* __restrict__ dbias_part,
-                                                        void* dweight, void* dbias, int64 groups,
-                                                        int64 row_len, int as_param) {
-    const int64 i = blockIdx.x * static_cast<int64>(blockDim.x) + threadIdx.x;
-    if (i >= row_len) return;
-    if (dweight_part != nullptr) {
-        acc_t s = 0;
-        for (int64 g = 0; g < groups; ++g) s += dweight_part[g * row_len + i];
-        store_grad(dweight, i, s, as_param);
-    }
-    if (dbias_part != nullptr) {
-        acc_t s = 0;
-        for (int64 g = 0; g < groups; ++g) s += dbias_part[g * row_len + i];
-        store_grad(dbias, i, s, as_param);
-    }
 }

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _compile, _plan
-from ._launch import _SEGMENT, _Call, _scalar
+from ._launch import _Call, _scalar, _weight_grads
 
 _CHANNEL = "channel_norm.cu"
 
@@ -109,11 +109,9 @@ def backward(call: _Call, dy, x, mean, rstd, weight, dx, dweight, dbias, C: int,
         call.ptr(x), call.ptr(dy), call.ptr(weight), call.ptr(mean), call.ptr(rstd),
         call.ptr(dx), call.ptr(dweight_part), call.ptr(dbias_part), np.int32(C), np.int64(S),
         np.int64(plan.tiles), np.int64(N), np.int32(plan.vectorized)), plan.smem)
-    if dweight is not None or dbias is not None:
-        call.launch(_SEGMENT, "segment_norm_bwd_rows_params", -(-C // 256), (256,), (
-            call.ptr(dweight_part), call.ptr(dbias_part), call.ptr(dweight), call.ptr(dbias),
-            np.int64(ctas), np.int64(C), np.int32(weight is not None)))
     # fmt: on
+    if dweight is not None or dbias is not None:
+        _weight_grads(call, dweight_part, dbias_part, dweight, dbias, ctas, C, weight is not None)
 
 
 def fits(call: _Call, C: int, backward: bool) -> bool:

@@ -20,6 +20,7 @@ _SEGMENT = "segment_norm.cu"
 _STRIDED = "strided_norm.cu"
 _SINGLE = "single_launch_norm.cu"
 _FUSED = "fused_norm.cu"
+_ROWS = "row_norm.cu"
 
 _NULL = np.uint64(0)
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
@@ -117,6 +118,34 @@ class _Call:
         """dweight/dbias: in the weight's dtype (the kernels convert), else the accumulator's."""
         dtype = self.acc if weight is None else self.bk.dtype_name(weight)
         return self.bk.empty(shape, dtype, like)
+
+
+def _resident_grid(call: _Call, source: str, kernel: str, threads: int, work: int) -> int:
+    """A grid of at most the CTAs of ``threads`` threads the GPU holds at once, and at most
+    ``work`` (for kernels that walk their work grid-stride)."""
+    per_sm = _compile.resident_ctas(
+        call.device, source, kernel, call.dtype, call.param_dtype, threads, 0
+    )
+    return max(1, min(work, per_sm * call.info.sm_count))
+
+
+def _weight_grads(
+    call: _Call,
+    dweight_part: Any,
+    dbias_part: Any,
+    dweight: Any,
+    dbias: Any,
+    groups: int,
+    length: int,
+    as_param: bool,
+) -> None:
+    """dweight / dbias (``length`` values each) as the column sums of ``groups`` fp32 partial
+    rows, added in row order (row_norm_bwd_params); a None part is skipped."""
+    # fmt: off
+    call.launch(_ROWS, "row_norm_bwd_params", -(-length // 32), (32, 8), (
+        call.ptr(dweight_part), call.ptr(dbias_part), call.ptr(dweight), call.ptr(dbias),
+        np.int64(groups), np.int64(length), np.int32(as_param)))
+    # fmt: on
 
 
 def _prepare(x: Any, bk: Any) -> tuple[Any, str]:

@@ -23,11 +23,14 @@ import numpy as np
 from . import _channel, _interop, _plan, _single
 from ._launch import (
     _ITEMSIZE,
+    _ROWS,
     _SEGMENT,
     _STRIDED,
     _Call,
     _prepare,
+    _resident_grid,
     _scalar,
+    _weight_grads,
 )
 from ._program import (
     _programmed,
@@ -566,6 +569,22 @@ def row_norm_bwd(
                 bk.fill_zero(grad)
         return dx, dweight, dbias
     aligned = call.aligned(x, dy, dsum, dx)
+    regs = _plan.plan_row_bwd(D, call.itemsize, aligned)
+    if regs is not None:  # rows held in registers, one pass (row_norm.cu)
+        kernel = f"row_norm_bwd_{'cast_' if cast else ''}{regs.packs}"
+        grid = _resident_grid(call, _ROWS, kernel, regs.threads, rows)
+        dweight_part = call.stats((grid * D,), x) if want_dw else None
+        dbias_part = call.stats((grid * D,), x) if want_db else None
+        # fmt: off
+        call.launch(_ROWS, kernel, grid, (regs.threads,), (
+            call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
+            call.ptr(rstd), call.ptr(dx), call.ptr(dweight_part), call.ptr(dbias_part),
+            np.int64(rows), np.int32(D)))
+        # fmt: on
+        if want_dw or want_db:
+            as_param = weight is not None
+            _weight_grads(call, dweight_part, dbias_part, dweight, dbias, grid, D, as_param)
+        return dx, dweight, dbias
     row_sums = None
     if want_dx:
         tiles = _plan.plan_rows_tiles(D, call.itemsize, aligned)
@@ -600,11 +619,8 @@ def row_norm_bwd(
             np.int64(plan.rows_per_group), np.int32(plan.vectorized)))
         # fmt: on
     if want_dw or want_db:
-        # fmt: off
-        call.launch(_SEGMENT, "segment_norm_bwd_rows_params", -(-D // 256), (256,), (
-            call.ptr(dweight_part), call.ptr(dbias_part), call.ptr(dweight), call.ptr(dbias),
-            np.int64(plan.groups), np.int64(D), np.int32(weight is not None)))
-        # fmt: on
+        as_param = weight is not None
+        _weight_grads(call, dweight_part, dbias_part, dweight, dbias, plan.groups, D, as_param)
     return dx, dweight, dbias
 
 

@@ -313,3 +313,35 @@ def plan_rows_backward(
     rows_per_group = -(-rows // groups)
     groups = -(-rows // rows_per_group)
     return RowsBackwardPlan(col_tiles, groups, rows_per_group, threads, vectorized)
+
+
+#: row_norm.cu's backward: a CTA of at most ROW_BWD_THREADS threads per row (its launch bound),
+#: each thread holding up to 4 packs of 16 bytes of x and of dy and its weight-gradient sums (8
+#: would be over 255 registers for bf16). Rows of fewer than 32 packs waste most of a warp and stay
+#: on segment_norm.cu's passes.
+ROW_BWD_THREADS = 256
+ROW_BWD_PACKS = (1, 2, 4)
+ROW_BWD_MIN_PACKS = 32
+
+
+@dataclass(frozen=True)
+class RowBwdPlan:
+    packs: int  # the kernel's PACKS template value (packs per thread, at most)
+    threads: int
+
+
+@functools.cache
+def plan_row_bwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | None:
+    """The one-pass backward's plan for rows of ``row_len``, or None when it does not take them
+    (unaligned, not whole packs, too short or too long)."""
+    vec = vec_width(itemsize)
+    if not aligned or row_len % vec:
+        return None
+    packs = row_len // vec
+    if packs < ROW_BWD_MIN_PACKS:
+        return None
+    for per_thread in ROW_BWD_PACKS:
+        threads = round_up(-(-packs // per_thread), 32)
+        if threads <= ROW_BWD_THREADS:
+            return RowBwdPlan(per_thread, threads)
+    return None

@@ -1,8 +1,9 @@
 """Per-kernel GPU time of cupynorm's module calls (development tool, torch.profiler).
 
 For each case, runs the cupynorm.torch module (forward, or forward + backward) a few times under
-torch.profiler and prints every CUDA kernel's average time, plus the wall time per call.
-Usage: python scripts/profile_kernels.py
+torch.profiler and prints every CUDA kernel's average time, plus the wall time per call. Cases
+named "torch ..." run torch's own module on the same shape, for comparison.
+Usage: python scripts/profile_kernels.py [substring of case names ...]
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm.torch as cnt  # noqa: E402
 
+_WANTED: list[str] = []
+
 
 def case(name, module, shape, dtype, channels_last=False, backward=False, extra=None):
+    if _WANTED and not any(w in name for w in _WANTED):
+        return
     x = torch.rand(shape, device="cuda", dtype=dtype)
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
@@ -55,6 +60,23 @@ def case(name, module, shape, dtype, channels_last=False, backward=False, extra=
 
 
 def main() -> None:
+    _WANTED.extend(sys.argv[1:])
+    for kind, ours, theirs in (
+        ("LayerNorm(4096)", cnt.LayerNorm(4096), torch.nn.LayerNorm(4096)),
+        ("RMSNorm(4096)", cnt.RMSNorm(4096), torch.nn.RMSNorm(4096)),
+        ("RMSNorm(2048)", cnt.RMSNorm(2048), torch.nn.RMSNorm(2048)),
+    ):
+        for backward in (False, True):
+            what = "fwd+bwd" if backward else "fwd"
+            for label, module in (("cupynorm", ours), ("torch", theirs)):
+                D = module.normalized_shape[0]
+                case(
+                    f"{label} {kind} bf16 8192x{D} {what}",
+                    module,
+                    (8192, D),
+                    torch.bfloat16,
+                    backward=backward,
+                )
     case(
         "GroupNorm(32,320) fp16 16x320x64x64 fwd",
         cnt.GroupNorm(32, 320),

@@ -87,6 +87,21 @@ def main() -> None:
             out, m, r = _ops.row_norm_add_mul_fwd(a, b, 1e-5)
             close(out, (F.layer_norm(a.float(), shape[-1:]) + b.float()) * b.float(), tol * 3)
             _ops.row_norm_add_mul_bwd(torch.rand_like(a), a, b, m, r)
+        # LayerNorm / RMSNorm: the one-pass backward in registers (whole packs, several rows per
+        # CTA, a partial warp; four packs per thread) and the segment passes (unaligned rows)
+        for shape in ((600, 776), (40, 4104), (9, 1001)):
+            x, dy = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+            w = torch.rand(shape[-1], device="cuda", dtype=dtype)
+            for rms in (False, True):
+                y, _, m, r = _ops.row_norm_fwd(x, None, w, None if rms else w, shape[-1], 1e-5, rms)
+                ref = (
+                    F.rms_norm(x.float(), shape[-1:], w.float())
+                    if rms
+                    else F.layer_norm(x.float(), shape[-1:], w.float(), w.float())
+                )
+                close(y, ref, tol * 3)
+                _ops.row_norm_bwd(dy, None, x, m, r, w, shape[-1], (True, True, not rms))
+                _ops.row_norm_bwd(dy, x, x, m, r, None, shape[-1], (True, False, False))
     torch.cuda.synchronize()
     print("sanitize cases: all results match torch")
 

@@ -11,11 +11,11 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from test_programs_cpu import launches  # noqa: F401 - the fixture
+from test_programs_cpu import H200, launches  # noqa: F401 - the fixture
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm import _ops, _program
+from cupynorm import _ops, _plan, _program
 from cupynorm.torch import _autograd, _kernels, _library, _reference
 
 PAIRS = [(cnt.LayerNorm, nn.LayerNorm), (cnt.RMSNorm, nn.RMSNorm)]
@@ -370,7 +370,34 @@ def test_long_rows_forward_uses_the_strided_statistics(launches):  # noqa: F811
     assert grid == rows * tiles and tiles * tile_len >= D > (tiles - 1) * tile_len
 
 
-@pytest.mark.parametrize("D", [4096, 100_003])
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_of_whole_packs_is_one_pass_in_registers(launches, rms):  # noqa: F811
+    rows, D = 3000, 2048  # float32: 512 packs of 4, two per thread of 256
+    x, dy, w = torch.rand(rows, D), torch.rand(rows, D), torch.rand(D)
+    mean = None if rms else torch.rand(rows)
+    _ops.row_norm_bwd(dy, None, x, mean, torch.rand(rows), w, D, (True, True, not rms))
+    (kernel, grid, block, _s, args), (params, pgrid, pblock, _s2, pargs) = launches
+    assert kernel == "row_norm_bwd_2" and block == (256,)
+    assert grid == min(rows, 2 * H200.sm_count)  # the resident CTAs walk the rows
+    assert args[9:11] == [rows, D] and args[4] == (0 if rms else mean.data_ptr())
+    assert params == "row_norm_bwd_params" and pblock == (32, 8) and pgrid == D // 32
+    assert pargs[4:6] == [grid, D]  # one partial row per CTA, summed over all of them
+    assert (args[8] == 0) == rms and args[7] != 0  # no bias gradient asked for RMSNorm
+
+
+def test_row_backward_plan():
+    plan, regs = _plan.plan_row_bwd, _plan.RowBwdPlan
+    assert plan(4096, 2, True) == regs(2, 256)  # bf16: 512 packs
+    assert plan(2048, 2, True) == regs(1, 256)
+    assert plan(4096, 4, True) == regs(4, 256)
+    assert plan(4104, 2, True) == regs(4, 160)  # 513 packs: a partial last warp
+    assert plan(128, 4, True) == regs(1, 32)
+    assert plan(124, 4, True) is None  # 31 packs: too few
+    assert plan(16384, 2, True) is None  # 2048 packs: more than a CTA holds
+    assert plan(4096, 2, False) is None and plan(4098, 2, True) is None
+
+
+@pytest.mark.parametrize("D", [1001, 100_003])  # not whole packs: the segment kernels
 def test_backward_launches_and_grids(launches, D):  # noqa: F811
     rows = 5
     x, dy, w = torch.rand(rows, D), torch.rand(rows, D), torch.rand(D)
@@ -378,11 +405,12 @@ def test_backward_launches_and_grids(launches, D):  # noqa: F811
     dx, dw, db = _ops.row_norm_bwd(dy, None, x, mean, rstd, w, D, (True, True, True))
     names = [k for k, *_ in launches]
     tiles = launches[0][4][7]
-    assert (tiles > 1) == (D > 4096)  # one CTA reduces a short row, several a long one
+    # one CTA reduces a short row, several a long one (tiles of 256 threads x 8 values)
+    assert (tiles > 1) == (D > 2048)
     expected = ["segment_norm_bwd_rows_sums", "segment_norm_bwd_rows_dx"]
     if tiles > 1:
         expected.insert(1, "segment_norm_bwd_rows_merge")
-    assert names == [*expected, "segment_norm_bwd_rows_params"]
+    assert names == [*expected, "row_norm_bwd_params"]
     _k, grid, _b, _s, args = launches[0]
     assert grid == rows * tiles == rows * args[7]
     _k, grid, (threads,), _s, args = launches[len(expected) - 1]

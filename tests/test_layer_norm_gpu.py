@@ -39,6 +39,10 @@ ROWS = {
     "short": (33, 100),
     "unaligned_len": (9, 1001),
     "llama": (6, 4096),
+    # rows held in registers (row_norm.cu), more rows than resident CTAs: each CTA walks several
+    # rows; 97 / 194 packs leave a partial warp, 513 packs four packs per thread of 160
+    "many_rows": (5000, 776),
+    "many_rows_wide": (2000, 4104),
     "one_cta": (3, 8192 + 8),
     "team": (2, 300_000),  # 1.2 MB of fp32: a team of CTAs
     "team_odd": (2, 300_001),
@@ -204,7 +208,10 @@ def _grads_of(fn, inputs, douts):
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("rows_id", ["one_element", "odd", "unaligned_len", "llama", "team_odd"])
+@pytest.mark.parametrize(
+    "rows_id",
+    ["one_element", "odd", "unaligned_len", "llama", "many_rows", "many_rows_wide", "team_odd"],
+)
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
 def test_backward_matches_float64(dtype, rows_id, rms, residual):

@@ -310,3 +310,9 @@ def test_cast_launches_the_cast_kernels(launches):  # noqa: F811
     _ops.row_norm_bwd(dy, None, x, None, rstd, w, 40, (True, True, False), cast=True)
     names = [k for k, *_ in launches]
     assert "segment_norm_bwd_rows_dx_cast" in names and "segment_norm_bwd_rows_dx" not in names
+    launches.clear()
+    D = 2048  # whole packs: the one-pass backward in registers, with the cast
+    x, dy, w, rstd = torch.rand(6, D), torch.rand(6, D), torch.rand(D), torch.rand(6)
+    _ops.row_norm_bwd(dy, None, x, None, rstd, w, D, (True, True, False), cast=True)
+    names = [k for k, *_ in launches]
+    assert names == ["row_norm_bwd_cast_2", "row_norm_bwd_params"]

@@ -33,6 +33,7 @@ ROWS = {
     "unaligned_len": (9, 1001),
     "llama": (37, 2048),
     "llama_8k": (6, 8192),
+    "many_rows": (3000, 2056),  # rows in registers, several per CTA, a partial warp
     "team_odd": (2, 300_001),
     "longer_than_a_team": (2, 1 << 22),
 }
@@ -134,7 +135,7 @@ def test_zero_rows():
 
 # ---- backward --------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("rows_id", ["odd", "unaligned_len", "llama", "team_odd"])
+@pytest.mark.parametrize("rows_id", ["odd", "unaligned_len", "llama", "many_rows", "team_odd"])
 def test_backward_matches_float64_and_transformers(dtype, rows_id):
     """Against the float64 reference, cupynorm's gradient error is no larger than that of
     transformers' own autograd (which rounds dy * weight and dy * xhat to the dtype)."""

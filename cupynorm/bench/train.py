@@ -79,9 +79,10 @@ COMPILE_OPTIONS: dict[str, Any] = {}
 
 # Lower-case pieces of kernel names counted as norm kernels: torch's BatchNorm (native and
 # cuDNN: batch_norm_*, welford_*, bn_*), torch's GroupNorm (RowwiseMoments, ComputeFusedParams,
-# GroupNorm*Kernel lambdas, the backward's gradient kernels), cupynorm's (cuda_src/*.cu:
-# segment_norm_*, strided_norm_*, channel_norm_*, and fused_norm_*, which also do the add and
-# activation they absorbed). Layout copies a norm makes around its kernels are not counted.
+# GroupNorm*Kernel lambdas, the backward's gradient kernels), torch's LayerNorm / RMSNorm
+# (*layer_norm*, GammaBeta*), cupynorm's (cuda_src/*.cu: segment_norm_*, strided_norm_*,
+# channel_norm_*, row_norm_*, and fused_norm_*, which also do the add and activation they
+# absorbed). Layout copies a norm makes around its kernels are not counted.
 NORM_KERNEL_PATTERNS = (
     "batch_norm",
     "batchnorm",
@@ -89,6 +90,7 @@ NORM_KERNEL_PATTERNS = (
     "welford",
     "group_norm",
     "groupnorm",
+    "layer_norm",
     "rowwisemoments",
     "fusedparams",
     "internalgradients",
@@ -97,6 +99,7 @@ NORM_KERNEL_PATTERNS = (
     "strided_norm_",
     "fused_norm_",
     "channel_norm_",
+    "row_norm_",
 )
 
 
