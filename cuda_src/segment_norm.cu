@@ -540,65 +540,30 @@ extern "C" __global__ void segment_norm_bwd_instance(
 //                                dweight / dbias over the group's rows (kept in registers)
 //   row_norm_bwd_params          column sums of those partial rows, in group order (row_norm.cu)
 // ================================================================================================
-template <int V, int STAT>
-__device__ __forceinline__ void row_norm_fwd(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
-    acc_t* __restrict__ partials) {
-    segment_norm_fwd<V, EPILOGUE_ROW, STAT>(x, residual, sum_out, nullptr, y, weight, bias, mean,
-                                            rstd, nullptr, row_len, slice_len, row_len, 1, 1, eps,
-                                            team, tickets, partials);
-}
+// The row forwards share one argument list; residual, sum_out: both null (no residual add) or
+// both set; bias: null for RMSNorm. vectorized: as segment_norm_fwd_affine.
+#define ROW_FWD_ENTRY(NAME, EPILOGUE, STAT)                                                      \
+    extern "C" __global__ void NAME(                                                             \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                   \
+        scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y,                                \
+        const param_t* __restrict__ weight, const param_t* __restrict__ bias,                    \
+        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int row_len, int slice_len,          \
+        acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,            \
+        int vectorized) {                                                                        \
+        if (vectorized)                                                                          \
+            segment_norm_fwd<VEC, EPILOGUE, STAT>(x, residual, sum_out, nullptr, y, weight, bias, \
+                                                  mean, rstd, nullptr, row_len, slice_len,       \
+                                                  row_len, 1, 1, eps, team, tickets, partials);  \
+        else                                                                                     \
+            segment_norm_fwd<1, EPILOGUE, STAT>(x, residual, sum_out, nullptr, y, weight, bias,   \
+                                                mean, rstd, nullptr, row_len, slice_len, row_len, \
+                                                1, 1, eps, team, tickets, partials);             \
+    }
 
-// residual, sum_out: both null (no residual add) or both set.
-extern "C" __global__ void segment_norm_fwd_layer(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
-    acc_t* __restrict__ partials, int vectorized) {
-    if (vectorized)
-        row_norm_fwd<VEC, STAT_MEAN_VAR>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
-                                         slice_len, eps, team, tickets, partials);
-    else
-        row_norm_fwd<1, STAT_MEAN_VAR>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
-                                       slice_len, eps, team, tickets, partials);
-}
-
-// bias: null (RMSNorm has none), kept for the shared argument list.
-extern "C" __global__ void segment_norm_fwd_rms(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
-    acc_t* __restrict__ partials, int vectorized) {
-    if (vectorized)
-        row_norm_fwd<VEC, STAT_RMS>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
-                                    slice_len, eps, team, tickets, partials);
-    else
-        row_norm_fwd<1, STAT_RMS>(x, residual, sum_out, y, weight, bias, mean, rstd, row_len,
-                                  slice_len, eps, team, tickets, partials);
-}
-
-// RMSNorm with the ROW_CAST epilogue (xhat rounded to the input's type before the weight),
-// the argument list of segment_norm_fwd_rms.
-extern "C" __global__ void segment_norm_fwd_rms_cast(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    int row_len, int slice_len, acc_t eps, int team, int* __restrict__ tickets,
-    acc_t* __restrict__ partials, int vectorized) {
-    if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_ROW_CAST, STAT_RMS>(
-            x, residual, sum_out, nullptr, y, weight, bias, mean, rstd, nullptr, row_len,
-            slice_len, row_len, 1, 1, eps, team, tickets, partials);
-    else
-        segment_norm_fwd<1, EPILOGUE_ROW_CAST, STAT_RMS>(
-            x, residual, sum_out, nullptr, y, weight, bias, mean, rstd, nullptr, row_len,
-            slice_len, row_len, 1, 1, eps, team, tickets, partials);
-}
+ROW_FWD_ENTRY(segment_norm_fwd_layer, EPILOGUE_ROW, STAT_MEAN_VAR)
+ROW_FWD_ENTRY(segment_norm_fwd_rms, EPILOGUE_ROW, STAT_RMS)
+// RMSNorm with the ROW_CAST epilogue (xhat rounded to the input's type before the weight)
+ROW_FWD_ENTRY(segment_norm_fwd_rms_cast, EPILOGUE_ROW_CAST, STAT_RMS)
 
 // RMS of rows too long for a team, from the strided passes' mean and biased variance:
 // mean square = var + mean^2 (two non-negative terms: no cancellation).
