@@ -99,11 +99,14 @@ extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ 
 // ------------------------------------------------------------------------------------------------
 // Columns passes deal each sample's rows to its CTAs in blocks, interleaved: CTA j of ctas_per_n
 // takes blocks j, j + ctas_per_n, ... (any grid size; only the sample's last block may be partial).
+// The grid's y dimension deals the channel tiles the same way: CTA (j, t) takes the tiles t,
+// t + gridDim.y, ... of blockDim.x packs each, so few rows of many channels still fill the GPU
+// (gridDim.y == 1: every CTA walks all the channels). The partials do not depend on gridDim.y.
 
 // partial statistics, columns layout. Block (TX, TY): thread x owns channels [cp*V, cp*V + V) of a
 // channel tile, thread y the rows ty, ty + TY, ... of each block of COLS_STATS_ROWS * TY rows; the
-// TY triples of a channel are then merged as a tree through shared memory. Grid (1-D):
-// N * ctas_per_n CTAs. It writes one triple per (n, chunk, c):
+// TY triples of a channel are then merged as a tree through shared memory. Grid:
+// (N * ctas_per_n, channel tiles). It writes one triple per (n, chunk, c):
 //   per-sample:  k = n*G + c/Cg, slot = chunk*Cg + c%Cg,   sets of P = ctas_per_n * Cg triples
 //   per-channel: k = c,          slot = n*ctas_per_n + chunk, sets of P = N * ctas_per_n triples
 // 16-byte packs are double-buffered through shared memory (cp.async): the next block's loads are in
@@ -138,9 +141,11 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
     const int64 block_rows = COLS_STATS_ROWS * TY, full_blocks = R / block_rows;
     const scalar_t* __restrict__ xn = x + n * sample_stride;
     const int64 n_packs = C / V;
-    for (int64 tile = 0; tile < n_packs; tile += TX) {
+    // channel tiles of TX packs: this CTA takes tiles blockIdx.y, blockIdx.y + gridDim.y, ...
+    const int64 first_tile = static_cast<int64>(blockIdx.y) * TX;
+    for (int64 tile = first_tile; tile < n_packs; tile += static_cast<int64>(TX) * gridDim.y) {
         const int64 cp = tile + tx;
-        if (tile > 0) __syncthreads();  // the previous tile's triples were read from the ring's memory
+        if (tile > first_tile) __syncthreads();  // the previous tile's triples were read from the ring's memory
         // Per channel: exact statistics of COLS_STATS_ROWS rows at a time, Chan-merged into a running
         // triple. (Shifted sums s2 - s1^2 / n were no faster here and lost up to 5e-5 of the
         // variance on data of mean 1e4: benchmarks/NOTES.md.)
@@ -518,8 +523,8 @@ extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
 }
 #endif
 
-// columns layout. Block (TX, TY) as in stats_cols; grid (1-D): N * ctas_per_n CTAs, each taking
-// its sample's blocks of UNROLL * TY rows as the statistics pass does.
+// columns layout. Block (TX, TY) and grid as in stats_cols, each CTA taking its sample's blocks of
+// UNROLL * TY rows as the statistics pass does.
 template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ dy,
@@ -541,7 +546,10 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
     constexpr bool grad_act = BACKWARD && ACT != ACT_PLAIN;  // as in apply_rows
-    for (int64 cp = threadIdx.x; cp < n_packs; cp += blockDim.x) {
+    // channel tiles of blockDim.x packs: this CTA takes tiles blockIdx.y, blockIdx.y + gridDim.y, ...
+    const int64 pack_step = static_cast<int64>(blockDim.x) * gridDim.y;
+    for (int64 cp = static_cast<int64>(blockIdx.y) * blockDim.x + threadIdx.x; cp < n_packs;
+         cp += pack_step) {
         Coeffs f[V], fw[grad_act ? V : 1];
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -736,7 +744,8 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
     const scalar_t* __restrict__ aux = ACT != ACT_PLAIN ? ep.z : nullptr;
-    for (int64 tile = 0; tile < n_packs; tile += TX) {
+    for (int64 tile = static_cast<int64>(blockIdx.y) * TX; tile < n_packs;
+         tile += static_cast<int64>(TX) * gridDim.y) {  // channel tiles as in stats_cols
         const int64 cp = tile + tx;
         acc_t sdy[V], sdx[V], m[V];
 #pragma unroll
@@ -751,23 +760,46 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                     f[e] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr,
                                             groups, chans_per_group);
             }
+            // row r's contribution once its packs are loaded (dy turned into dt first when fused)
+            auto add_row = [&](int64 r, const Pack<V>& p, Pack<V> g, const Pack<V>& a) {
+                if (ACT != ACT_PLAIN) {
+                    activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
+                    if (ep.dt != nullptr) store_pack<V>(ep.dt + base + r * row_stride, cp, g);
+                }
+#pragma unroll
+                for (int e = 0; e < V; ++e) {
+                    const acc_t d = to_acc(g.v[e]);
+                    sdy[e] += d;
+                    sdx[e] += d * (to_acc(p.v[e]) - m[e]);
+                }
+            };
+            // ROWS rows at a time with all their loads issued first (one row at a time was
+            // load-latency bound); the same order of additions as one at a time. The fused
+            // kernels also load the residual: 4 rows (bf16 167 registers) measured 1.4% faster
+            // over resnet50's layers than 2 (117 registers)
+            constexpr int ROWS = ACT == ACT_PLAIN ? COLS_APPLY_UNROLL : COLS_APPLY_UNROLL / 2;
             for (int64 b = chunk; b < blocks; b += ctas_per_n) {
                 const int64 r1 = min(b * block_rows + block_rows, R);
-                for (int64 r = b * block_rows + ty; r < r1; r += TY) {
-                    const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
-                    Pack<V> g = load_pack<V>(dy + base + r * row_stride, cp);
-                    if (ACT != ACT_PLAIN) {
-                        Pack<V> a;
-                        if (aux != nullptr) a = load_pack<V>(aux + base + r * row_stride, cp);
-                        activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
-                        if (ep.dt != nullptr) store_pack<V>(ep.dt + base + r * row_stride, cp, g);
+                int64 r = b * block_rows + ty;
+                for (; r + (ROWS - 1) * TY < r1; r += ROWS * TY) {
+                    Pack<V> p[ROWS], g[ROWS], a[ACT != ACT_PLAIN ? ROWS : 1];
+#pragma unroll
+                    for (int i = 0; i < ROWS; ++i) {
+                        p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
+                        g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
+                        if (ACT != ACT_PLAIN && aux != nullptr)
+                            a[i] = load_pack<V>(aux + base + (r + i * TY) * row_stride, cp);
                     }
 #pragma unroll
-                    for (int e = 0; e < V; ++e) {
-                        const acc_t d = to_acc(g.v[e]);
-                        sdy[e] += d;
-                        sdx[e] += d * (to_acc(p.v[e]) - m[e]);
-                    }
+                    for (int i = 0; i < ROWS; ++i)
+                        add_row(r + i * TY, p[i], g[i], a[ACT != ACT_PLAIN ? i : 0]);
+                }
+                for (; r < r1; r += TY) {  // the sample's last block may be partial
+                    Pack<V> a;
+                    if (ACT != ACT_PLAIN && aux != nullptr)
+                        a = load_pack<V>(aux + base + r * row_stride, cp);
+                    add_row(r, load_pack<V>(x + base + r * row_stride, cp),
+                            load_pack<V>(dy + base + r * row_stride, cp), a);
                 }
             }
         }

@@ -176,30 +176,46 @@ class Launcher:
             return self._local.buffers
 
     def launch(
-        self, grid: int, block: tuple[int, ...], smem: int, stream: int, args: tuple | list
+        self,
+        grid: int | tuple[int, int],
+        block: tuple[int, ...],
+        smem: int,
+        stream: int,
+        args: tuple | list,
     ) -> None:
-        """Launch on the stream with handle ``stream`` in the calling thread's current context."""
+        """Launch on the stream with handle ``stream`` in the calling thread's current context;
+        ``grid`` is a CTA count or (x, y) CTA counts."""
         buffer, _pointers, address = self._buffers()
         self._packer.pack_into(buffer, 0, *args)
         bx, by, bz = (*block, 1, 1)[:3]
+        gx, gy = grid if type(grid) is tuple else (grid, 1)
         driver = _driver()
         try:
-            self._launch(driver, grid, bx, by, bz, smem, stream, address)
+            self._launch(driver, gx, gy, bx, by, bz, smem, stream, address)
         except driver.CUDADriverError as error:
             # a thread that has not used CUDA yet has no current context: make the device's
             # primary context current (cudaSetDevice) and launch again
             if error.status != _CUDA_ERROR_INVALID_CONTEXT:
                 raise
             _runtime().setDevice(self.device_id)
-            self._launch(driver, grid, bx, by, bz, smem, stream, address)
+            self._launch(driver, gx, gy, bx, by, bz, smem, stream, address)
 
     def _launch(
-        self, driver: Any, grid: int, bx: int, by: int, bz: int, smem: int, stream: int, args: int
+        self,
+        driver: Any,
+        gx: int,
+        gy: int,
+        bx: int,
+        by: int,
+        bz: int,
+        smem: int,
+        stream: int,
+        args: int,
     ) -> None:
         if self.cooperative:
-            driver.launchCooperativeKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, args)
+            driver.launchCooperativeKernel(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, args)
         else:
-            driver.launchKernel(self.ptr, grid, 1, 1, bx, by, bz, smem, stream, args, 0)
+            driver.launchKernel(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, args, 0)
 
 
 class Memset:

@@ -78,7 +78,7 @@ class _Call:
         self,
         source: str,
         kernel: str,
-        grid: int,
+        grid: int | tuple[int, int],
         block: tuple[int, ...],
         args: tuple,
         smem: int = 0,

@@ -198,12 +198,17 @@ def plan_rows_apply(plane_len: int, itemsize: int, aligned: bool) -> RowsApplyPl
 @dataclass(frozen=True)
 class ColsPlan:
     """Channel-innermost passes (strided_norm_stats_cols / _apply_cols). Each sample's rows are
-    dealt to its ``ctas_per_sample`` CTAs in interleaved blocks (see strided_norm.cu)."""
+    dealt to its ``ctas_per_sample`` CTAs in interleaved blocks, and the channels' tiles of ``tx``
+    packs to the ``col_tiles`` CTAs of the grid's y dimension (see strided_norm.cu)."""
 
     tx: int
     ty: int
     ctas_per_sample: int
     vectorized: bool
+    col_tiles: int = 1
+
+    def grid(self, samples: int) -> tuple[int, int]:
+        return samples * self.ctas_per_sample, self.col_tiles
 
 
 @functools.cache
@@ -229,7 +234,11 @@ def plan_cols(
     # 16x320x64x64 statistics: 17 CTAs per sample on 264 resident slots was 272 CTAs)
     want = max(1, device.sm_count * ctas_per_sm // samples)
     ctas = max(1, min(want, -(-rows // (COLS_MIN_ROWS_PER_THREAD * ty))))
-    return ColsPlan(tx, ty, ctas, vectorized)
+    # Few rows of many channels (a resnet50 layer4 BatchNorm: 3136 rows of 2048 at batch 64) leave
+    # the rows alone too few CTAs (24 of 264): the channel tiles fill the rest of the grid, with the
+    # same partials per channel.
+    col_tiles = max(1, min(-(-packs // tx), want // ctas))
+    return ColsPlan(tx, ty, ctas, vectorized, col_tiles)
 
 
 def stats_cols_smem(threads: int, vec: int, staged: bool, acc_size: int) -> int:

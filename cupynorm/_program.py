@@ -73,7 +73,9 @@ class _Recording:
     def index(self, obj: Any) -> int | None:
         return next((i for i, o in enumerate(self.objects) if o is obj), None)
 
-    def step(self, launcher: Any, grid: int, block: tuple, smem: int, args: tuple) -> None:
+    def step(
+        self, launcher: Any, grid: int | tuple[int, int], block: tuple, smem: int, args: tuple
+    ) -> None:
         template, slots = [], []
         for i, a in enumerate(args):
             value = a.item()

@@ -108,8 +108,7 @@ def _stats_cols(
     smem = smem_bytes(plan.tx * plan.ty, vec, plan.vectorized)
     i64 = np.int64
     # fmt: off
-    call.launch(_STRIDED, "strided_norm_stats_cols", samples * plan.ctas_per_sample,
-                (plan.tx, plan.ty), (
+    call.launch(_STRIDED, "strided_norm_stats_cols", plan.grid(samples), (plan.tx, plan.ty), (
         call.ptr(x), call.ptr(triples), i64(samples), i64(rows), i64(channels), i64(channels),
         i64(sample_stride), i64(plan.ctas_per_sample), np.int32(groups), i64(chans_per_group),
         np.int32(plan.vectorized)), smem=smem)
@@ -153,7 +152,7 @@ class _Elementwise(NamedTuple):
     """Grid of the elementwise passes (apply, backward sums, backward dx) over one layout."""
 
     rows: bool  # rows (NCHW) or columns (channels innermost) kernels
-    grid: int
+    grid: int | tuple[int, int]
     block: tuple[int, ...]
     tail: tuple  # the layout arguments every such kernel takes last
     tiles: int  # T: partials per (n, c) of the backward sums
@@ -222,7 +221,7 @@ def _elementwise(
     )
     return _Elementwise(
         False,
-        samples * plan.ctas_per_sample,
+        plan.grid(samples),
         (plan.tx, plan.ty),
         tail,
         plan.ctas_per_sample,

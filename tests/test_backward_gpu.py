@@ -66,6 +66,8 @@ GN_CASES = [
     ((4, 320, 16, 16), 32, "contiguous"),
     # columns passes with several CTAs per sample and a partial last block of rows
     ((2, 64, 67, 61), 8, "channels_last"),
+    # few rows of many channels: channel tiles over the grid, groups straddling tiles
+    ((2, 1026, 5, 3), 6, "channels_last"),
 ]
 
 
@@ -113,6 +115,9 @@ BN_CASES = [
     ((3, 6, 7), "contiguous"),
     ((2, 6, 3, 5, 7), "channels_last"),
     ((8, 16, 64, 64), "contiguous"),
+    # few rows of many channels (resnet50's last stage): channel tiles over the grid
+    ((4, 2048, 7, 7), "channels_last"),
+    ((3, 1031, 5, 3), "channels_last"),
 ]
 
 

@@ -39,6 +39,9 @@ SHAPES = {
     "c3": (4, 3, 11, 9),
     "wide": (2, 64, 24, 40),
 }
+# Few rows of many channels: the columns passes deal channel tiles over the grid (resnet50's last
+# stage: 2048 channels of 7x7), whole packs and not
+MANY_CHANNELS = {"c2048": (4, 2048, 7, 7), "c1031": (3, 1031, 5, 3)}
 
 
 def rand(shape, dtype, *, offset=0.0, memory_format="contiguous", seed=None):
@@ -108,8 +111,10 @@ def test_group_norm_matches_reference(dtype, shape_id, groups_of, has_affine):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize(
     "shape",
-    [(3, 6, 5, 7), (2, 12, 9, 4, 3), (4, 320, 8, 8), (2, 64, 67, 61)],
-    ids=["2d", "3d", "sd", "multi-cta"],  # multi-cta: columns rows over several CTAs, partial block
+    [(3, 6, 5, 7), (2, 12, 9, 4, 3), (4, 320, 8, 8), (2, 64, 67, 61), (2, 1536, 6, 5)],
+    # multi-cta: columns rows over several CTAs, partial block; wide: the channel tiles over the
+    # grid (few rows of many channels; groups of 512 channels straddle tiles)
+    ids=["2d", "3d", "sd", "multi-cta", "wide"],
 )
 def test_group_norm_layouts(memory_format, dtype, shape):
     x = rand(shape, dtype, memory_format=memory_format)
@@ -177,10 +182,10 @@ def test_instance_norm_running_stats_several_steps():
 
 # ---- BatchNorm ------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("shape_id", ["1d", "2d_odd", "3d", "hw1", "prime", "wide"])
+@pytest.mark.parametrize("shape_id", ["1d", "2d_odd", "3d", "hw1", "prime", "wide", *MANY_CHANNELS])
 @pytest.mark.parametrize("memory_format", ["contiguous", "channels_last", "strided"])
 def test_batch_norm_training_matches_reference(dtype, shape_id, memory_format):
-    shape = SHAPES[shape_id]
+    shape = {**SHAPES, **MANY_CHANNELS}[shape_id]
     if memory_format == "channels_last" and len(shape) == 3:
         pytest.skip("no channels_last for 3-d tensors")
     C = shape[1]

@@ -28,6 +28,7 @@ CASES = [  # shape, memory format
     ((4, 5, 7, 9), "contiguous"),  # odd C and planes: the scalar paths
     ((3, 5, 7, 9), "channels_last"),
     ((8, 64, 14, 14), "channels_last"),  # a resnet50 layer's shape at a small batch
+    ((4, 2048, 7, 7), "channels_last"),  # few rows of many channels: channel tiles over the grid
     ((2, 32, 33, 31), "contiguous"),
     ((16, 24), "contiguous"),  # (N, C): BatchNorm1d's form through the functional API
 ]

@@ -96,3 +96,25 @@ def test_cols_plan_stays_in_one_wave(samples) -> None:
     resident = 2
     plan = _plan.plan_cols(samples, 64 * 64, 320, 2, True, H200, resident)
     assert samples * plan.ctas_per_sample <= max(samples, H200.sm_count * resident)
+    grid_x, tiles = plan.grid(samples)
+    assert grid_x * tiles <= max(samples, H200.sm_count * resident)
+
+
+@pytest.mark.parametrize("channels,itemsize", [(2048, 2), (2048, 4), (1031, 2), (512, 2)])
+def test_cols_plan_deals_channel_tiles_when_rows_are_few(channels, itemsize) -> None:
+    """resnet50's last stage at batch 64 (3136 rows): the rows alone give few CTAs, so the
+    channels' tiles of tx packs spread over the grid's y dimension, within the one wave."""
+    resident = 2
+    plan = _plan.plan_cols(1, 64 * 7 * 7, channels, itemsize, True, H200, resident)
+    packs = channels // _plan.vec_width(itemsize) if plan.vectorized else channels
+    tiles_of_channels = -(-packs // plan.tx)
+    grid_x, tiles = plan.grid(1)
+    assert grid_x == plan.ctas_per_sample and tiles == plan.col_tiles
+    assert 1 <= tiles <= tiles_of_channels
+    assert grid_x * tiles <= H200.sm_count * resident
+    # as many tiles as the channels have, or as the wave has room for
+    assert tiles == tiles_of_channels or grid_x * (tiles + 1) > H200.sm_count * resident
+    if channels >= 1024:
+        assert tiles > 1
+    # many rows: the rows fill the grid and every CTA walks all the channels
+    assert _plan.plan_cols(1, 256 * 56 * 56, channels, itemsize, True, H200, 2).col_tiles == 1

@@ -1,0 +1,112 @@
+"""GPU time of resnet50's norm layers as ``fuse`` runs them, against torch's (development tool).
+
+Every BatchNorm input of a torchvision resnet50 at one batch size (bf16 channels_last, fp32
+parameters, as under bf16 autocast), in the form it takes after ``cupynorm.torch.fuse``: the
+BatchNorm alone (the downsample branches), + ReLU, or + residual add + ReLU (the last BatchNorm of
+each bottleneck). Forward + backward, 20 calls captured in one CUDA graph (no host time), CUDA
+events around the replay, median of 7; torch's side is F.batch_norm, the add and the ReLU as
+resnet50 runs them. Prints us per call per layer form and ms per training step over the model.
+
+Usage: python scripts/profile_resnet50_norms.py [--batch N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cupynorm import _ops  # noqa: E402
+
+# (channels, spatial, layers, form) of resnet50's BatchNorm inputs; form: "bn" (downsample and
+# no activation), "relu", "add_relu" (bn3 of a bottleneck)
+LAYERS = [
+    (64, 112, 1, "relu"), (64, 56, 6, "relu"), (256, 56, 3, "add_relu"), (256, 56, 1, "bn"),
+    (128, 56, 1, "relu"), (128, 28, 7, "relu"), (512, 28, 4, "add_relu"), (512, 28, 1, "bn"),
+    (256, 28, 1, "relu"), (256, 14, 11, "relu"), (1024, 14, 6, "add_relu"), (1024, 14, 1, "bn"),
+    (512, 14, 1, "relu"), (512, 7, 5, "relu"), (2048, 7, 3, "add_relu"), (2048, 7, 1, "bn"),
+]  # fmt: skip
+CALLS = 20
+
+
+def graphed_us(fn) -> float:
+    fn()  # records the calls
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def measure(batch: int, c: int, s: int, form: str) -> tuple[float, float]:
+    """(cupynorm, torch) us per forward + backward."""
+    x = torch.randn(batch, c, s, s, device="cuda", dtype=torch.bfloat16)
+    x = x.to(memory_format=torch.channels_last)
+    z = torch.randn_like(x) if form == "add_relu" else None
+    dy = torch.randn_like(x)
+    w, b = torch.rand(c, device="cuda") + 0.5, torch.rand(c, device="cuda")
+    rm, rv = torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")
+    act = "identity" if form == "bn" else "relu"
+
+    def ours():
+        _, m, r = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, act)
+        if form == "bn":
+            _ops.batch_norm_bwd(dy, x, m, r, w, True, (True, True, True))
+        else:
+            mask = (True, True, True, z is not None)
+            _ops.batch_norm_act_bwd(dy, x, m, r, w, True, mask, z, b, act)
+
+    xt = x.detach().requires_grad_()
+    zt = None if z is None else z.detach().requires_grad_()
+    wt, bt = w.detach().requires_grad_(), b.detach().requires_grad_()
+
+    def theirs():
+        y = F.batch_norm(xt, rm, rv, wt, bt, True, 0.1, 1e-5)
+        if zt is not None:
+            y = y + zt
+        if form != "bn":
+            y = F.relu(y)
+        inputs = (xt, wt, bt) if zt is None else (xt, wt, bt, zt)
+        torch.autograd.grad(y, inputs, dy)
+
+    return graphed_us(ours), graphed_us(theirs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    print(f"resnet50 norm layers as fuse runs them, batch {args.batch}, bf16 channels_last;")
+    print("us per forward+backward (graphed): cupynorm / torch")
+    ours_total = theirs_total = 0.0
+    for c, s, layers, form in LAYERS:
+        ours, theirs = measure(args.batch, c, s, form)
+        ours_total += ours * layers
+        theirs_total += theirs * layers
+        mb = args.batch * c * s * s * 2 / 1e6
+        print(f"C={c:5d} {s:3d}x{s:<3d} {mb:6.1f} MB {form:8s} x{layers:2d}: "
+              f"{ours:7.1f} / {theirs:7.1f}")  # fmt: skip
+    print(f"all 53 layers, ms per step: cupynorm {ours_total / 1e3:.3f}, "
+          f"torch {theirs_total / 1e3:.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
