@@ -49,6 +49,9 @@ COLS_MAX_TX = 64
 #: Fewest rows a columns-layout thread walks: fewer means more partial triples to write, merge in
 #: the CTA and merge again in finalize than rows of data (see benchmarks/NOTES.md).
 COLS_MIN_ROWS_PER_THREAD = 32
+#: The same for the apply and dx passes, which write no partials: one unrolled block of rows
+#: (COLS_APPLY_UNROLL of the kernels) per thread.
+COLS_APPLY_MIN_ROWS_PER_THREAD = 8
 #: Warps per CTA of the finalize kernel (one statistic set per warp).
 FINALIZE_WARPS = 8
 
@@ -221,10 +224,12 @@ def plan_cols(
     device: DeviceInfo,
     ctas_per_sm: int,
     threads: int = COLS_THREADS,
+    min_rows: int = COLS_MIN_ROWS_PER_THREAD,
 ) -> ColsPlan:
     """Grid of a channel-innermost pass of CTAs of about ``threads`` threads, aiming at
     ``ctas_per_sm`` CTAs per SM: the statistics pass asks for one wave (what its registers leave
-    resident), the apply passes for COLS_APPLY_CTAS_PER_SM."""
+    resident), the apply passes for COLS_APPLY_CTAS_PER_SM; each thread walks at least
+    ``min_rows`` rows."""
     vec = vec_width(itemsize)
     vectorized = aligned and channels % vec == 0
     packs = channels // vec if vectorized else channels
@@ -233,7 +238,7 @@ def plan_cols(
     # rounded down: one CTA over a full wave is a second wave (GroupNorm(32) fp16 channels_last
     # 16x320x64x64 statistics: 17 CTAs per sample on 264 resident slots was 272 CTAs)
     want = max(1, device.sm_count * ctas_per_sm // samples)
-    ctas = max(1, min(want, -(-rows // (COLS_MIN_ROWS_PER_THREAD * ty))))
+    ctas = max(1, min(want, -(-rows // (min_rows * ty))))
     # Few rows of many channels (a resnet50 layer4 BatchNorm: 3136 rows of 2048 at batch 64) leave
     # the rows alone too few CTAs (24 of 264): the channel tiles fill the rest of the grid, with the
     # same partials per channel.

@@ -208,6 +208,10 @@ def _elementwise(
         call.info,
         cols_ctas_per_sm or _plan.COLS_APPLY_CTAS_PER_SM,
         _plan.COLS_APPLY_THREADS,
+        # the backward sums write partials per CTA; the apply and dx passes do not
+        _plan.COLS_MIN_ROWS_PER_THREAD
+        if cols_ctas_per_sm
+        else _plan.COLS_APPLY_MIN_ROWS_PER_THREAD,
     )
     tail = (
         i64(rows),

@@ -118,3 +118,15 @@ def test_cols_plan_deals_channel_tiles_when_rows_are_few(channels, itemsize) -> 
         assert tiles > 1
     # many rows: the rows fill the grid and every CTA walks all the channels
     assert _plan.plan_cols(1, 256 * 56 * 56, channels, itemsize, True, H200, 2).col_tiles == 1
+
+
+def test_cols_apply_passes_take_fewer_rows_per_thread() -> None:
+    """The apply and dx passes write no partials: one unrolled block of rows per thread is enough
+    (resnet50's 256 x 14 x 14 layer at batch 64: 98 -> 392 CTAs)."""
+    args = (1, 64 * 14 * 14, 256, 2, True, H200, _plan.COLS_APPLY_CTAS_PER_SM)
+    sums = _plan.plan_cols(*args, _plan.COLS_APPLY_THREADS)
+    apply = _plan.plan_cols(*args, _plan.COLS_APPLY_THREADS, _plan.COLS_APPLY_MIN_ROWS_PER_THREAD)
+    assert apply.ctas_per_sample == 4 * sums.ctas_per_sample
+    assert apply.ctas_per_sample * _plan.COLS_APPLY_MIN_ROWS_PER_THREAD * apply.ty >= 64 * 14 * 14
+    source = (Path(_compile.source_dir()) / "strided_norm.cu").read_text()
+    assert f"#define COLS_APPLY_UNROLL {_plan.COLS_APPLY_MIN_ROWS_PER_THREAD}\n" in source
