@@ -31,9 +31,11 @@ def main() -> None:
             ((2, 4, 300, 300), 4),
             ((2, 3, 37, 41), 1),
             ((2, 64, 33, 35), 8),
+            ((2, 1032, 5, 3), 8),
         ):
             # one CTA (aligned and unaligned) and a team of CTAs (300 x 300 fp32 = 352 KiB);
-            # 64 channels: the columns passes on 16-byte packs (staged statistics)
+            # 64 channels: the columns passes on 16-byte packs (staged statistics); 1032 channels
+            # of 15 pixels: the channel tiles dealt over the grid's y dimension
             x = torch.randn(shape, device="cuda", dtype=dtype)
             w = torch.rand(shape[1], device="cuda", dtype=dtype) + 0.5
             close(
@@ -102,6 +104,18 @@ def main() -> None:
                 close(y, ref, tol * 3)
                 _ops.row_norm_bwd(dy, None, x, m, r, w, shape[-1], (True, True, not rms))
                 _ops.row_norm_bwd(dy, x, x, m, r, None, shape[-1], (True, False, False))
+        # BatchNorm + residual add + ReLU on channels_last, few rows of many channels (tiles)
+        x, z, dy = (
+            torch.randn(4, 2048, 7, 7, device="cuda", dtype=dtype).to(
+                memory_format=torch.channels_last
+            )
+            for _ in range(3)
+        )
+        w, b = torch.rand(2048, device="cuda") + 0.5, torch.randn(2048, device="cuda")
+        y, m, r = _ops.batch_norm_fwd(x, w, b, None, None, True, 0.1, 1e-5, z, "relu")
+        ref = F.relu(F.batch_norm(x.float(), None, None, w, b, True) + z.float())
+        close(y, ref, tol * 3)
+        _ops.batch_norm_act_bwd(dy, x, m, r, w, True, (True, True, True, True), z, b, "relu")
     torch.cuda.synchronize()
     print("sanitize cases: all results match torch")
 
