@@ -26,11 +26,9 @@ from ._launch import _ITEMSIZE, _SINGLE, _Call, _scalar
 #: measurements (benchmarks/NOTES.md, 2026-11-23) say the planned grid, not the size, decides
 #: (few rows and many channels leave most SMs idle), which is how the choice should be made.
 MAX_BYTES = 32 << 20
-#: Off by default: in one GPU test run (H200, 2026-11-23) a small model converted with
-#: replace_norms (tests/test_torch_modules_gpu.py::test_replace_norms_cuda_same_outputs_and_grads,
-#: channels_last) got a slightly wrong input gradient at its second eval-mode step (35 of 756
-#: elements off by up to 5e-5) with this family on, while every test of the family itself
-#: passed (benchmarks/NOTES.md, 2026-11-23). It stays off until that is understood.
+#: Off by default: over resnet50's layers it gained 2.4% of the norm time and it loses on layers
+#: with few rows of many channels (benchmarks/NOTES.md, 2026-11-23). A model test that once
+#: differed with it on was traced to a different (equally accurate) summation order, not a bug.
 enabled = False  # see enable()
 _refused: set[tuple] = set()  # launches the driver refused: (device, kernel, dtypes, grid, smem)
 
