@@ -13,7 +13,6 @@ Usage: python scripts/profile_resnet50_norms.py [--batch N]
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cupynorm import _ops  # noqa: E402
 
+# the same graphed timing (20 calls in one CUDA graph, median of 7) as the single-launch profile
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_single_launch import graphed_us  # noqa: E402
+
 # (channels, spatial, layers, form) of resnet50's BatchNorm inputs; form: "bn" (downsample and
 # no activation), "relu", "add_relu" (bn3 of a bottleneck)
 LAYERS = [
@@ -31,29 +34,6 @@ LAYERS = [
     (256, 28, 1, "relu"), (256, 14, 11, "relu"), (1024, 14, 6, "add_relu"), (1024, 14, 1, "bn"),
     (512, 14, 1, "relu"), (512, 7, 5, "relu"), (2048, 7, 3, "add_relu"), (2048, 7, 1, "bn"),
 ]  # fmt: skip
-CALLS = 20
-
-
-def graphed_us(fn) -> float:
-    fn()  # records the calls
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(7):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
 
 
 def measure(batch: int, c: int, s: int, form: str) -> tuple[float, float]:
