@@ -1,31 +1,33 @@
-// row_norm.cu: the backward of LayerNorm / RMSNorm over rows held in registers (rows of 32 to 1024
-// packs of 16 bytes: 256 to 8192 bf16 values) in one pass, and the column sums of the weight
-// gradients' partial rows shared by every row and channel norm backward. (The forward stays on
-// segment_norm.cu: two register-held forwards measured slower than its shared-memory one, below.)
+// row_norm.cu: LayerNorm / RMSNorm over rows held in registers, and the column sums of the weight
+// gradients' partial rows shared by every row and channel norm backward:
+//   short rows (whole packs of 16 bytes, at most 128 of them: 1024 bf16 values), forward and
+//     backward, a group of 4 to 32 lanes of a warp per row;
+//   longer rows (129 to 1024 packs), the backward in one pass, a CTA per row. Their forward stays
+//     on segment_norm.cu (two register-held forwards measured slower than its shared-memory one,
+//     below), as do rows that are not whole packs and rows longer than a CTA's registers.
 //
 // A row of L = row_len elements shares one (mean, rstd); weight and bias are indexed by the
-// position i in the row (formulas in segment_norm.cu's row-norm section, which keeps the rows
-// this file does not take: short, unaligned, or longer than a CTA's registers):
+// position i in the row (formulas in segment_norm.cu's row-norm section):
 //   forward:  xhat_i = (x_i - mean) * rstd,  y_i = xhat_i * weight[i] + bias[i]
 //             (RMS: mean = 0, rstd = 1 / sqrt(<x^2> + eps); CAST: y = round(w * round(xhat)))
 //   backward: g_i = weight[i] * dy_i,  dx_i = rstd * (g_i - <g> - xhat_i * <g xhat>) (RMS: no <g>)
 //             dweight[i] = sum over rows of dy_i * xhat_i (CAST: of round(xhat_i)),
 //             dbias[i] = sum over rows of dy_i
 //
-// Forward, tried here and measured slower than segment_norm.cu's CTA per row staged through
-// shared memory (LayerNorm / RMSNorm bf16 8192x4096 on an H200: 52 / 42 us, floor 32): a CTA of
-// 256 threads per row with the next row's loads in flight (63.5 / 48.5 us: three block barriers
-// per row, three CTAs per SM) and a warp per row with 16 packs per lane (75 / 54 us: 255
+// Forward of long rows, tried here and measured slower than segment_norm.cu's CTA per row staged
+// through shared memory (LayerNorm / RMSNorm bf16 8192x4096 on an H200: 52 / 42 us, floor 32): a
+// CTA of 256 threads per row with the next row's loads in flight (63.5 / 48.5 us: three block
+// barriers per row, three CTAs per SM) and a warp per row with 16 packs per lane (75 / 54 us: 255
 // registers, eight warps per SM). Registers hold less data in flight than shared memory's cp.async
 // staging (NOTES.md).
 //
-// Backward: a CTA of T <= 256 threads per row, thread t holding packs t, t + T, ... of x and dy
-// (its weight-gradient sums must stay few per thread), the two row sums one block reduction, the
-// next row's loads in flight during it. Each thread keeps its dweight / dbias sums over the CTA's
-// rows in registers; every CTA writes one fp32 partial row, and row_norm_bwd_params adds the
-// partial rows in CTA order. (The separate sums and dx passes of segment_norm.cu took 118-150 us
-// for 5 passes of bf16 8192x4096, floor 80.) Deterministic: no atomics, fixed orders for a given
-// grid.
+// Backward of long rows: a CTA of T <= 256 threads per row, thread t holding packs t, t + T, ... of
+// x and dy (its weight-gradient sums must stay few per thread), the two row sums one block
+// reduction, the next row's loads in flight during it. Each thread keeps its dweight / dbias sums
+// over the CTA's rows in registers; every CTA writes one fp32 partial row, and row_norm_bwd_params
+// adds the partial rows in CTA order. (The separate sums and dx passes of segment_norm.cu took
+// 118-150 us for 5 passes of bf16 8192x4096, floor 80.) Deterministic: no atomics, fixed orders
+// for a given grid.
 #include "common.cuh"
 
 // a and b summed over the block, returned to every thread (fixed order). scratch: 66 values;
@@ -168,6 +170,265 @@ ROW_BWD_ENTRY(row_norm_bwd_4, 4, false)
 ROW_BWD_ENTRY(row_norm_bwd_cast_1, 1, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_2, 2, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_4, 4, true)
+
+// ---- short rows: a group of LANES lanes of a warp per row -------------------------------------
+// Rows of at most SHORT_PACKS * LANES packs (LANES = 4, 8, 16, 32): a LayerNorm2d over 96 channels
+// on channels_last data is 12 packs of bf16 per (sample, pixel). One CTA per row (segment_norm.cu)
+// gives such rows a warp each and a CTA slot each (32 per SM): a few kilobytes in flight per SM,
+// far below what hides HBM latency. Here a warp holds 32 / LANES rows in registers, lane l of a
+// group holding packs l, l + LANES, ... of its row, and the row sums are xor-butterfly shuffles
+// within the group (every lane gets the same bits: a + b == b + a).
+#define SHORT_PACKS 4
+#define SHORT_THREADS 256
+
+// v summed over the LANES lanes of this lane's group, returned to all of them.
+template <int LANES>
+__device__ __forceinline__ acc_t group_sum(acc_t v) {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// Forward. The formulas of segment_norm.cu's row section: statistics two-pass over the registers,
+// relative to the row's first value (the sum's, with a residual) as there; RMS: mean 0 and the
+// mean square. One row per group, grid = ceil(rows / (SHORT_THREADS / LANES)). A group past the
+// last row still takes part in the shuffles.
+template <int LANES, bool RMS, bool CAST>
+__device__ __forceinline__ void row_fwd_short(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
+    int64 rows, int row_len, acc_t eps) {
+    constexpr int V = VEC;
+    const int lane = threadIdx.x % LANES;
+    const int64 row = blockIdx.x * static_cast<int64>(SHORT_THREADS / LANES) + threadIdx.x / LANES;
+    const bool live = row < rows;
+    const int packs = row_len / V;
+    const int64 base = live ? row * row_len : 0;
+    Pack<V> v[SHORT_PACKS];
+#pragma unroll
+    for (int k = 0; k < SHORT_PACKS; ++k) {
+        const int p = lane + k * LANES;
+        if (live && p < packs) v[k] = load_pack<V>(x + base, p);
+    }
+    if (residual != nullptr) {
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k) {
+            const int p = lane + k * LANES;
+            if (!live || p >= packs) continue;
+            const Pack<V> r = load_pack<V>(residual + base, p);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                v[k].v[j] = from_acc<scalar_t>(to_acc(v[k].v[j]) + to_acc(r.v[j]));
+            store_pack<V>(sum_out + base, p, v[k]);
+        }
+    }
+    const acc_t L = acc_t(row_len);
+    acc_t shift = 0, rel_mean = 0;
+    if (!RMS) {
+        shift = __shfl_sync(0xffffffffu, live ? to_acc(v[0].v[0]) : acc_t(0), 0, LANES);
+        acc_t s = 0;
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k) {
+            if (!live || lane + k * LANES >= packs) continue;
+#pragma unroll
+            for (int j = 0; j < V; ++j) s += to_acc(v[k].v[j]) - shift;
+        }
+        rel_mean = group_sum<LANES>(s) / L;
+    }
+    acc_t q = 0;
+#pragma unroll
+    for (int k = 0; k < SHORT_PACKS; ++k) {
+        if (!live || lane + k * LANES >= packs) continue;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t d = (to_acc(v[k].v[j]) - shift) - rel_mean;
+            q += d * d;
+        }
+    }
+    q = group_sum<LANES>(q);
+    if (!live) return;  // no shuffles below
+    const acc_t mean = shift + rel_mean, rstd = rsqrt_acc(q / L + eps);
+    if (lane == 0) {
+        if (mean_out != nullptr) mean_out[row] = mean;
+        if (rstd_out != nullptr) rstd_out[row] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < SHORT_PACKS; ++k) {
+        const int p = lane + k * LANES;
+        if (p >= packs) continue;
+        acc_t w[V], b[V];
+        load_row_params<V>(weight, p * V, acc_t(1), w);
+        Pack<V> out;
+        if (CAST) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd));
+                out.v[j] = from_acc<scalar_t>(w[j] * xhat);
+            }
+        } else {
+            load_row_params<V>(bias, p * V, acc_t(0), b);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                out.v[j] = from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
+        }
+        store_pack<V>(y + base, p, out);
+    }
+}
+
+// The arguments of segment_norm.cu's row forwards, less the team's. Four CTAs per SM (64
+// registers): three, as the compiler chose, moved bf16 rows at 3.1-3.4 TB/s, four at 3.4-3.7.
+#define ROW_FWD_SHORT_ENTRY(NAME, LANES, RMS, CAST)                                              \
+    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 4) NAME(                       \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                 \
+        scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y,                              \
+        const param_t* __restrict__ weight, const param_t* __restrict__ bias,                  \
+        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len,           \
+        acc_t eps) {                                                                           \
+        row_fwd_short<LANES, RMS, CAST>(x, residual, sum_out, y, weight, bias, mean, rstd,    \
+                                         rows, row_len, eps);                                  \
+    }
+#define ROW_FWD_SHORT_ALL(LANES)                                                                \
+    ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_layer_##LANES, LANES, false, false)                  \
+    ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_rms_##LANES, LANES, true, false)                    \
+    ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_rms_cast_##LANES, LANES, true, true)   
+ROW_FWD_SHORT_ALL(4)
+ROW_FWD_SHORT_ALL(8)
+ROW_FWD_SHORT_ALL(16)
+ROW_FWD_SHORT_ALL(32)
+
+// Backward, one pass (x and dy read once, dx written once; the segment passes read them twice):
+// the groups of a CTA walk rows grid-stride, block by block (every thread of the CTA takes the
+// same number of steps, so the shuffles see whole warps), each lane keeping its packs' dweight /
+// dbias sums in registers. At the end the groups of a warp add theirs by xor shuffles, the warps
+// theirs in warp order through shared memory, and the CTA writes one partial row for
+// row_norm_bwd_params: fixed orders for a given grid, bitwise reproducible.
+template <int LANES, bool CAST>
+__device__ __forceinline__ void row_bwd_short(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
+    const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx,
+    acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int row_len) {
+    constexpr int V = VEC, GROUPS = SHORT_THREADS / LANES, MAX_LEN = SHORT_PACKS * LANES * V;
+    __shared__ acc_t red[2][MAX_LEN];
+    const int lane = threadIdx.x % LANES;
+    const int packs = row_len / V;
+    const acc_t L = acc_t(row_len);
+    acc_t dw[SHORT_PACKS][V], db[SHORT_PACKS][V];
+#pragma unroll
+    for (int k = 0; k < SHORT_PACKS; ++k)
+#pragma unroll
+        for (int j = 0; j < V; ++j) dw[k][j] = db[k][j] = acc_t(0);
+    const int64 step = static_cast<int64>(gridDim.x) * GROUPS;
+    for (int64 first = blockIdx.x * static_cast<int64>(GROUPS); first < rows; first += step) {
+        const int64 row = first + threadIdx.x / LANES;
+        const bool live = row < rows;
+        const int64 base = live ? row * row_len : 0;
+        Pack<V> xc[SHORT_PACKS], dc[SHORT_PACKS];
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k) {
+            const int p = lane + k * LANES;
+            if (live && p < packs) {
+                xc[k] = load_pack<V>(x + base, p);
+                dc[k] = load_pack<V>(dy + base, p);
+            }
+        }
+        const acc_t m = live && mean != nullptr ? mean[row] : acc_t(0);
+        const acc_t rs = live ? rstd[row] : acc_t(0);
+        acc_t sg = 0, sgx = 0;
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k) {
+            const int p = lane + k * LANES;
+            if (!live || p >= packs) continue;
+            acc_t w[V];
+            load_row_params<V>(weight, p * V, acc_t(1), w);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t g = w[j] * to_acc(dc[k].v[j]);
+                sg += g;
+                sgx += g * ((to_acc(xc[k].v[j]) - m) * rs);
+            }
+        }
+        sg = group_sum<LANES>(sg);
+        sgx = group_sum<LANES>(sgx);
+        if (!live) continue;
+        const acc_t mean_g = mean != nullptr ? sg / L : acc_t(0), mean_gx = sgx / L;
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k) {
+            const int p = lane + k * LANES;
+            if (p >= packs) continue;
+            acc_t w[V];
+            load_row_params<V>(weight, p * V, acc_t(1), w);
+            Pack<V> sv, out;
+            if (dsum != nullptr) sv = load_pack<V>(dsum + base, p);
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t xhat = (to_acc(xc[k].v[j]) - m) * rs, d = to_acc(dc[k].v[j]);
+                dw[k][j] += d * (CAST ? to_acc(from_acc<scalar_t>(xhat)) : xhat);
+                db[k][j] += d;
+                acc_t o = rs * (w[j] * d - mean_g - xhat * mean_gx);
+                if (dsum != nullptr) o += to_acc(sv.v[j]);
+                out.v[j] = from_acc<scalar_t>(o);
+            }
+            if (dx != nullptr) store_pack<V>(dx + base, p, out);
+        }
+    }
+    if (dweight_part == nullptr && dbias_part == nullptr) return;
+    // the groups of each warp: lanes l, l + LANES, ... hold the same columns
+#pragma unroll
+    for (int off = LANES; off < 32; off <<= 1)
+#pragma unroll
+        for (int k = 0; k < SHORT_PACKS; ++k)
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                dw[k][j] += __shfl_xor_sync(0xffffffffu, dw[k][j], off);
+                db[k][j] += __shfl_xor_sync(0xffffffffu, db[k][j], off);
+            }
+    // the warps, in order: group 0 of warp w adds its sums to the shared row
+    const int warp = threadIdx.x >> 5;
+    for (int w = 0; w < SHORT_THREADS / 32; ++w) {
+        if (warp == w && (threadIdx.x & 31) < LANES) {
+#pragma unroll
+            for (int k = 0; k < SHORT_PACKS; ++k) {
+                const int p = lane + k * LANES;
+                if (p >= packs) continue;
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    const int i = p * V + j;
+                    red[0][i] = (w == 0 ? acc_t(0) : red[0][i]) + dw[k][j];
+                    red[1][i] = (w == 0 ? acc_t(0) : red[1][i]) + db[k][j];
+                }
+            }
+        }
+        __syncthreads();
+    }
+    const int64 out = blockIdx.x * static_cast<int64>(row_len);
+    for (int i = threadIdx.x; i < row_len; i += SHORT_THREADS) {
+        if (dweight_part != nullptr) dweight_part[out + i] = red[0][i];
+        if (dbias_part != nullptr) dbias_part[out + i] = red[1][i];
+    }
+}
+
+// Two CTAs per SM (128 registers, a 16-byte spill for bf16): one, as the compiler chose (151
+// registers), left too few loads in flight (rows of 96 bf16, forward + backward 0.510 -> 0.419 ms).
+#define ROW_BWD_SHORT_ENTRY(NAME, LANES, CAST)                                                 \
+    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 2) NAME(                      \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                      \
+        const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
+        const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
+        scalar_t* __restrict__ dx, acc_t* __restrict__ dweight_part,                          \
+        acc_t* __restrict__ dbias_part, int64 rows, int row_len) {                            \
+        row_bwd_short<LANES, CAST>(x, dy, dsum, weight, mean, rstd, dx, dweight_part,         \
+                                   dbias_part, rows, row_len);                                \
+    }
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_4, 4, false)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_8, 8, false)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_16, 16, false)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_32, 32, false)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_cast_4, 4, true)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_cast_8, 8, true)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_cast_16, 16, true)
+ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_cast_32, 32, true)
 
 // ---- the weight gradients from partial rows ---------------------------------------------------
 __device__ __forceinline__ void store_grad(void* out, int64 i, acc_t v, int as_param) {

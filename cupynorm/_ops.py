@@ -492,10 +492,22 @@ def row_norm_fwd(
             if stat is not None:
                 bk.fill_nan(stat)
         return y, total, mean, rstd
+    aligned = call.aligned(x, residual, total, y)
+    short = _plan.plan_short_rows(D, call.itemsize, aligned)
+    if short is not None:  # a group of lanes per row (row_norm.cu)
+        kind = "rms_cast" if cast else "rms" if rms else "layer"
+        # fmt: off
+        call.launch(_ROWS, f"row_norm_fwd_short_{kind}_{short.lanes}",
+                    -(-rows // short.rows_per_cta), (_plan.SHORT_ROW_THREADS,), (
+            call.ptr(x), call.ptr(residual), call.ptr(total), call.ptr(y), call.ptr(weight),
+            call.ptr(bias), call.ptr(mean), call.ptr(rstd), np.int64(rows), np.int32(D),
+            _scalar(call.acc, eps)))
+        # fmt: on
+        return y, total, mean, rstd
     kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
     if cast:
         kernel = "segment_norm_fwd_rms_cast"
-    plan = _plan.plan_segment(D, call.itemsize, call.aligned(x, residual, total, y), call.info)
+    plan = _plan.plan_segment(D, call.itemsize, aligned, call.info)
     if plan is not None:
         # fmt: off
         _segment_launch(call, plan, rows, x, kernel, (
@@ -569,6 +581,23 @@ def row_norm_bwd(
                 bk.fill_zero(grad)
         return dx, dweight, dbias
     aligned = call.aligned(x, dy, dsum, dx)
+    short = _plan.plan_short_rows(D, call.itemsize, aligned)
+    if short is not None:  # a group of lanes per row, one pass (row_norm.cu)
+        kernel = f"row_norm_bwd_short_{'cast_' if cast else ''}{short.lanes}"
+        threads = _plan.SHORT_ROW_THREADS
+        grid = _resident_grid(call, _ROWS, kernel, threads, -(-rows // short.rows_per_cta))
+        dweight_part = call.stats((grid * D,), x) if want_dw else None
+        dbias_part = call.stats((grid * D,), x) if want_db else None
+        # fmt: off
+        call.launch(_ROWS, kernel, grid, (threads,), (
+            call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
+            call.ptr(rstd), call.ptr(dx), call.ptr(dweight_part), call.ptr(dbias_part),
+            np.int64(rows), np.int32(D)))
+        # fmt: on
+        if want_dw or want_db:
+            as_param = weight is not None
+            _weight_grads(call, dweight_part, dbias_part, dweight, dbias, grid, D, as_param)
+        return dx, dweight, dbias
     regs = _plan.plan_row_bwd(D, call.itemsize, aligned)
     if regs is not None:  # rows held in registers, one pass (row_norm.cu)
         kernel = f"row_norm_bwd_{'cast_' if cast else ''}{regs.packs}"

@@ -329,13 +329,43 @@ def plan_rows_backward(
     return RowsBackwardPlan(col_tiles, groups, rows_per_group, threads, vectorized)
 
 
+#: row_norm.cu's short rows: a group of SHORT_ROW_LANES lanes of a warp per row, each lane holding
+#: up to SHORT_ROW_PACKS packs of 16 bytes (its kernels' SHORT_PACKS), SHORT_ROW_THREADS threads per
+#: CTA (SHORT_THREADS), rows of up to SHORT_ROW_MAX_PACKS packs (1024 bf16 values) in both
+#: directions. A CTA per row (segment_norm.cu) is a 32-thread CTA for any row of up to 256 packs and
+#: at most 32 of them per SM: ~6 KB in flight per SM for rows of 96 bf16 channels. Measured on an
+#: H200 in benchmarks/NOTES.md (LayerNorm2d bf16 channels_last 64x96x56x56 forward + backward:
+#: SHORT_ROW_NUMBERS).
+SHORT_ROW_LANES = (4, 8, 16, 32)
+SHORT_ROW_PACKS = 4
+SHORT_ROW_THREADS = 256
+SHORT_ROW_MAX_PACKS = SHORT_ROW_PACKS * max(SHORT_ROW_LANES)
+
+
+@dataclass(frozen=True)
+class ShortRowPlan:
+    lanes: int  # lanes per row: the kernels' LANES template value
+    rows_per_cta: int
+
+
+@functools.cache
+def plan_short_rows(row_len: int, itemsize: int, aligned: bool) -> ShortRowPlan | None:
+    """The short-row kernels' plan for rows of ``row_len``, or None (unaligned, not whole packs,
+    or longer than SHORT_ROW_MAX_PACKS)."""
+    vec = vec_width(itemsize)
+    if not aligned or row_len % vec or row_len // vec > SHORT_ROW_MAX_PACKS:
+        return None
+    packs = row_len // vec
+    lanes = next(n for n in SHORT_ROW_LANES if packs <= SHORT_ROW_PACKS * n)
+    return ShortRowPlan(lanes, SHORT_ROW_THREADS // lanes)
+
+
 #: row_norm.cu's backward: a CTA of at most ROW_BWD_THREADS threads per row (its launch bound),
 #: each thread holding up to 4 packs of 16 bytes of x and of dy and its weight-gradient sums (8
-#: would be over 255 registers for bf16). Rows of fewer than 32 packs waste most of a warp and stay
-#: on segment_norm.cu's passes.
+#: would be over 255 registers for bf16), for whole-pack rows longer than the short rows.
 ROW_BWD_THREADS = 256
 ROW_BWD_PACKS = (1, 2, 4)
-ROW_BWD_MIN_PACKS = 32
+ROW_BWD_MIN_PACKS = SHORT_ROW_MAX_PACKS + 1
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ def main() -> None:
             close(out, (F.layer_norm(a.float(), shape[-1:]) + b.float()) * b.float(), tol * 3)
             _ops.row_norm_add_mul_bwd(torch.rand_like(a), a, b, m, r)
         # LayerNorm / RMSNorm: the one-pass backward in registers (whole packs, several rows per
-        # CTA, a partial warp; four packs per thread) and the segment passes (unaligned rows)
-        for shape in ((600, 776), (40, 4104), (9, 1001)):
+        # CTA, a partial warp; four packs per thread), the segment passes (unaligned rows), and
+        # the short-row kernels (a group of lanes per row; rows walked grid-stride, idle groups)
+        for shape in ((600, 776), (40, 4104), (9, 1001), (9001, 96), (77, 8), (33, 1024)):
             x, dy = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
             w = torch.rand(shape[-1], device="cuda", dtype=dtype)
             for rms in (False, True):

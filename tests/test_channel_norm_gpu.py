@@ -37,6 +37,8 @@ SHAPES = {
     "one_channel": (3, 1, 5, 7),
     "odd": (2, 3, 7, 9),  # S = 63: no 16-byte packs
     "convnext": (2, 96, 14, 14),  # S = 196: packs of 4 fp32 / 2 fp64, not of 8 half
+    # channels_last: more rows of 96 than the backward's resident groups, a partial last CTA
+    "convnext_rows": (9, 96, 47, 53),
     "kernelbench": (2, 64, 32, 32),
     "many_channels": (2, 600, 5, 8),  # 75 thread rows of 8 channels in the backward
     "one_pixel": (5, 40, 1, 1),  # the row route for both layouts
@@ -201,7 +203,9 @@ def test_cupy_arrays(layout):
 
 # ---- backward --------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("shape_id", ["odd", "convnext", "many_channels", "one_pixel", "huge_c"])
+@pytest.mark.parametrize(
+    "shape_id", ["odd", "convnext", "convnext_rows", "many_channels", "one_pixel", "huge_c"]
+)
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 def test_backward_matches_float64(dtype, shape_id, layout, rms):

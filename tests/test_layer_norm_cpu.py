@@ -344,14 +344,49 @@ def test_replace_norms_converts_layer_and_rms_norms_and_their_plain_subclasses()
 # ---------------------------------------------------------------------------------------------
 # host code: which kernels run, with which grids (a fake launcher, no GPU)
 # ---------------------------------------------------------------------------------------------
-def test_short_rows_forward_is_one_on_chip_launch(launches):  # noqa: F811
-    x, res = torch.rand(6, 40), torch.rand(6, 40)
-    w = torch.rand(40)
-    y, total, mean, rstd = _ops.row_norm_fwd(x, res, w, None, 40, 1e-5, True)
-    ((kernel, grid, _block, _smem, args),) = launches
-    assert kernel == "segment_norm_fwd_rms" and grid == 6
-    assert mean is None and rstd.shape == (6,) and total.shape == y.shape == x.shape
+def test_short_rows_forward_is_one_launch_of_a_group_of_lanes_per_row(launches):  # noqa: F811
+    rows, D = 130, 40  # float32: 10 packs, 4 lanes per row, 64 rows per CTA of 256 threads
+    x, res = torch.rand(rows, D), torch.rand(rows, D)
+    w = torch.rand(D)
+    y, total, mean, rstd = _ops.row_norm_fwd(x, res, w, None, D, 1e-5, True)
+    ((kernel, grid, block, _smem, args),) = launches
+    assert kernel == "row_norm_fwd_short_rms_4" and grid == 3 and block == (256,)
+    assert mean is None and rstd.shape == (rows,) and total.shape == y.shape == x.shape
     assert args[1] == res.data_ptr() and args[2] == total.data_ptr() and args[6] == 0  # no mean
+    assert args[8:10] == [rows, D]
+
+
+def test_short_rows_not_of_whole_packs_take_a_cta_per_row(launches):  # noqa: F811
+    x = torch.rand(6, 41)
+    _ops.row_norm_fwd(x, None, None, None, 41, 1e-5, False)
+    ((kernel, grid, _block, _smem, _args),) = launches
+    assert kernel == "segment_norm_fwd_layer" and grid == 6
+
+
+def test_short_row_plan():
+    plan, short = _plan.plan_short_rows, _plan.ShortRowPlan
+    assert plan(96, 2, True) == short(4, 64)  # bf16 LayerNorm2d(96): 12 packs
+    assert plan(8, 2, True) == short(4, 64)  # one pack
+    assert plan(192, 2, True) == short(8, 32)
+    assert plan(768, 2, True) == short(32, 8)  # 96 packs
+    assert plan(1024, 2, True) == short(32, 8)  # 128 packs: four per lane
+    assert plan(1032, 2, True) is None  # 129 packs: the register-held backward's
+    assert plan(96, 2, False) is None and plan(100, 2, True) is None
+    assert _plan.plan_row_bwd(1032, 2, True) is not None
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_short_rows_backward_is_one_pass_of_groups_of_lanes(launches, rms):  # noqa: F811
+    rows, D = 3000, 96  # float32: 24 packs, 8 lanes per row, 32 rows per CTA
+    x, dy, w = torch.rand(rows, D), torch.rand(rows, D), torch.rand(D)
+    mean = None if rms else torch.rand(rows)
+    _ops.row_norm_bwd(dy, None, x, mean, torch.rand(rows), w, D, (True, True, not rms))
+    (kernel, grid, block, _s, args), (params, _pgrid, _pblock, _s2, pargs) = launches
+    assert kernel == "row_norm_bwd_short_8" and block == (256,)
+    assert grid == min(-(-rows // 32), 2 * H200.sm_count)  # resident CTAs walk the rows
+    assert args[9:11] == [rows, D] and args[4] == (0 if rms else mean.data_ptr())
+    assert params == "row_norm_bwd_params" and pargs[4:6] == [grid, D]
+    assert (args[8] == 0) == rms and args[7] != 0
 
 
 def test_long_rows_forward_uses_the_strided_statistics(launches):  # noqa: F811
@@ -391,8 +426,8 @@ def test_row_backward_plan():
     assert plan(2048, 2, True) == regs(1, 256)
     assert plan(4096, 4, True) == regs(4, 256)
     assert plan(4104, 2, True) == regs(4, 160)  # 513 packs: a partial last warp
-    assert plan(128, 4, True) == regs(1, 32)
-    assert plan(124, 4, True) is None  # 31 packs: too few
+    assert plan(516, 4, True) == regs(1, 160)  # 129 packs
+    assert plan(512, 4, True) is None  # 128 packs: the short rows' kernels take them
     assert plan(16384, 2, True) is None  # 2048 packs: more than a CTA holds
     assert plan(4096, 2, False) is None and plan(4098, 2, True) is None
 
@@ -425,10 +460,11 @@ def test_backward_launches_and_grids(launches, D):  # noqa: F811
 
 
 def test_row_norm_calls_record_and_replay(launches):  # noqa: F811
-    x, dy, w, b = torch.rand(4, 24), torch.rand(4, 24), torch.rand(24), torch.rand(24)
-    _ops.row_norm_fwd(x, None, w, b, 24, 1e-5, False)
-    _ops.row_norm_bwd(dy, None, x, torch.rand(4), torch.rand(4), w, 24, (True, True, True))
-    assert len(_program._PROGRAMS) == 2
+    for D in (24, 25):  # whole packs (the short-row kernels) or not (the segment kernels)
+        x, dy, w, b = torch.rand(4, D), torch.rand(4, D), torch.rand(D), torch.rand(D)
+        _ops.row_norm_fwd(x, None, w, b, D, 1e-5, False)
+        _ops.row_norm_bwd(dy, None, x, torch.rand(4), torch.rand(4), w, D, (True, True, True))
+    assert len(_program._PROGRAMS) == 4
     assert all(isinstance(p, _program._Program) for p in _program._PROGRAMS.values())
 
 

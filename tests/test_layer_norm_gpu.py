@@ -37,6 +37,11 @@ ROWS = {
     "one_element": (5, 1),
     "odd": (7, 3),
     "short": (33, 100),
+    # whole packs of at most 128: a group of lanes of a warp per row (row_norm.cu); more rows than
+    # the backward's resident groups (each walks several) and a last CTA with idle groups
+    "short_packs": (20001, 96),
+    "one_pack": (67, 8),
+    "short_wide": (300, 1024),
     "unaligned_len": (9, 1001),
     "llama": (6, 4096),
     # rows held in registers (row_norm.cu), more rows than resident CTAs: each CTA walks several
@@ -126,7 +131,7 @@ def test_float32_parameters_beside_half_input(dtype, rms):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("D", [1000, 4096, 300_000])
+@pytest.mark.parametrize("D", [96, 1000, 4096, 300_000])
 def test_offset_data_keeps_its_digits(dtype, D):
     """Mean 1e4, std 1: the variance must not come from E[x^2] - E[x]^2."""
     x = rand((4, D), dtype, offset=1e4)
@@ -210,7 +215,17 @@ def _grads_of(fn, inputs, douts):
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize(
     "rows_id",
-    ["one_element", "odd", "unaligned_len", "llama", "many_rows", "many_rows_wide", "team_odd"],
+    [
+        "one_element",
+        "odd",
+        "short_packs",
+        "one_pack",
+        "unaligned_len",
+        "llama",
+        "many_rows",
+        "many_rows_wide",
+        "team_odd",
+    ],
 )
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
@@ -252,9 +267,10 @@ def test_backward_matches_float64(dtype, rows_id, rms, residual):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
-def test_gradients_are_bitwise_reproducible(rms):
-    x = rand((4097, 1024), "bfloat16").requires_grad_()
-    w, b = params(1024, "bfloat16", rms)
+@pytest.mark.parametrize("D", [96, 1024])  # a group of lanes per row; a CTA per row
+def test_gradients_are_bitwise_reproducible(rms, D):
+    x = rand((4097, D), "bfloat16").requires_grad_()
+    w, b = params(D, "bfloat16", rms)
     w.requires_grad_()
     dy = torch.randn_like(x)
     runs = []

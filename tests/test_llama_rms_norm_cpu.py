@@ -295,12 +295,16 @@ def test_functional_routes_to_torch_off_the_kernels(monkeypatch):
 # host code: the cast kernels are launched (a fake launcher, no GPU)
 # ---------------------------------------------------------------------------------------------
 def test_cast_launches_the_cast_kernels(launches):  # noqa: F811
-    x, w = torch.rand(6, 40), torch.rand(40)
+    x, w = torch.rand(6, 40), torch.rand(40)  # float32: 10 whole packs, the short-row kernels
     _ops.row_norm_fwd(x, None, w, None, 40, 1e-5, True, cast=True)
-    assert [k for k, *_ in launches] == ["segment_norm_fwd_rms_cast"]
+    assert [k for k, *_ in launches] == ["row_norm_fwd_short_rms_cast_4"]
     launches.clear()
     _ops.row_norm_fwd(x, None, w, None, 40, 1e-5, True)  # another signature: the plain kernel
-    assert [k for k, *_ in launches] == ["segment_norm_fwd_rms"]
+    assert [k for k, *_ in launches] == ["row_norm_fwd_short_rms_4"]
+    launches.clear()
+    x41, w41 = torch.rand(6, 41), torch.rand(41)  # not whole packs: a CTA per row
+    _ops.row_norm_fwd(x41, None, w41, None, 41, 1e-5, True, cast=True)
+    assert [k for k, *_ in launches] == ["segment_norm_fwd_rms_cast"]
     launches.clear()
     D = 1 << 22  # longer than a team holds: the strided statistics, then the cast apply pass
     _ops.row_norm_fwd(torch.empty(2, D), None, torch.empty(D), None, D, 1e-5, True, cast=True)
@@ -308,6 +312,10 @@ def test_cast_launches_the_cast_kernels(launches):  # noqa: F811
     launches.clear()
     dy, rstd = torch.rand(6, 40), torch.rand(6)
     _ops.row_norm_bwd(dy, None, x, None, rstd, w, 40, (True, True, False), cast=True)
+    assert [k for k, *_ in launches] == ["row_norm_bwd_short_cast_4", "row_norm_bwd_params"]
+    launches.clear()
+    dy41 = torch.rand(6, 41)
+    _ops.row_norm_bwd(dy41, None, x41, None, rstd, w41, 41, (True, True, False), cast=True)
     names = [k for k, *_ in launches]
     assert "segment_norm_bwd_rows_dx_cast" in names and "segment_norm_bwd_rows_dx" not in names
     launches.clear()
