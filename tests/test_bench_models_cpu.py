@@ -23,13 +23,14 @@ MODEL_NAMES = [
     "resnet50_b64_bf16_cl",
     "resnet50_b256_bf16_cl",
     "efficientnet_b0_b64_bf16_cl",
+    "convnext_tiny_b64_bf16_cl",
     "gn_blocks_fp16_cl",
     "gn_blocks_fp16",
     "llama_8l_h2048_s2048_b4_bf16",
 ]
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
 # is elementwise torch ops, no norm kernel to count on the CPU)
-DRY_RUN_NAMES = MODEL_NAMES[:5]
+DRY_RUN_NAMES = MODEL_NAMES[:6]
 
 # ------------------------------------------------------------------------------------------------
 # Registry and selection
@@ -52,9 +53,13 @@ def test_model_workloads() -> None:
     assert llama.input_shape == (4, 2048, 2048) and llama.layers == 8 and llama.dtype == "bfloat16"
     assert llama.convert == "llama_rms_norm" and llama.loss == "token_cross_entropy"
     assert llama.accuracy_batch == 1
+    convnext = by_name["convnext_tiny_b64_bf16_cl"]
+    assert convnext.input_shape == (64, 3, 224, 224) and convnext.autocast == "bfloat16"
+    assert convnext.channels_last and convnext.convert == "layer_norms"
+    converts = {"llama": "llama_rms_norm", "convnext_tiny": "layer_norms"}
     for workload in bench.MODEL_WORKLOADS:
         assert workload.model in bench.models.MODEL_FACTORIES
-        assert workload.convert == ("llama_rms_norm" if workload.model == "llama" else "fuse")
+        assert workload.convert == converts.get(workload.model, "fuse")
 
 
 def test_models_group_is_not_in_the_default_run() -> None:
@@ -338,8 +343,40 @@ def _tiny_norm_act_net(workload: bench.ModelWorkload):
     )
 
 
+def _tiny_layer_norm_net(workload: bench.ModelWorkload):
+    """Stands in for convnext_tiny: a LayerNorm2d-like stem norm (a torch.nn.LayerNorm subclass
+    that permutes, as timm's), and a block normalizing NHWC rows with nn.LayerNorm."""
+    from torch import nn
+
+    class LayerNorm2d(nn.LayerNorm):
+        def forward(self, x):
+            x = x.permute(0, 2, 3, 1)
+            x = nn.functional.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+            return x.permute(0, 3, 1, 2)
+
+    class Block(nn.Module):
+        def __init__(self, channels: int) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+            self.norm = nn.LayerNorm(channels)
+            self.mlp = nn.Linear(channels, channels)
+
+        def forward(self, x):
+            h = self.mlp(self.norm(self.conv(x).permute(0, 2, 3, 1)))
+            return x + h.permute(0, 3, 1, 2)
+
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 4, stride=4),
+        LayerNorm2d(8),
+        Block(8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, workload.num_classes),
+    )
+
+
 def _tiny_model_workload(workload: bench.ModelWorkload) -> bench.ModelWorkload:
-    if workload.model in ("resnet50", "efficientnet_b0"):
+    if workload.model in ("resnet50", "efficientnet_b0", "convnext_tiny"):
         return dataclasses.replace(
             workload, input_shape=(2, 3, 16, 16), num_classes=10, accuracy_batch=None
         )
@@ -369,6 +406,7 @@ def models_dry_run(monkeypatch: pytest.MonkeyPatch):
     def substitute_resnet50() -> None:
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "resnet50", _tiny_bn_net)
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "efficientnet_b0", _tiny_norm_act_net)
+        monkeypatch.setitem(bench.models.MODEL_FACTORIES, "convnext_tiny", _tiny_layer_norm_net)
 
     return substitute_resnet50
 
@@ -393,12 +431,12 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[5/5] gn_blocks_fp16 done" in captured.err
+    assert "[6/6] gn_blocks_fp16 done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out
     rows = _models_table(captured.out)
-    assert len(rows) == 2 + 5 * 3 * 2
+    assert len(rows) == 2 + 6 * 3 * 2
     body = rows[2:]
     assert all("ERROR" not in cell for row in body for cell in row), captured.out
     keys = [tuple(row[:3]) for row in body]
@@ -421,7 +459,8 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     for model in report["models"]:
         assert model["error"] is None and model["failure"] is None
         assert model["accuracy"]["ok"] and model["accuracy"]["batch"] == 2
-        assert model["norm_layers"] == {"resnet50": 2, "efficientnet_b0": 3}.get(model["model"], 8)
+        norm_layers = {"resnet50": 2, "efficientnet_b0": 3, "convnext_tiny": 2}
+        assert model["norm_layers"] == norm_layers.get(model["model"], 8)
         assert len(model["steps"]) == 6
         eager = [s for s in model["steps"] if s["mode"] == "eager"]
         assert all(s["host_us"] > 0 and s["norm_kernel_ms_by_name"] for s in eager)

@@ -22,15 +22,17 @@ Method (the design notes' "Benchmark method"):
 The models group (`--only models`, run only when named; a group name like any workload name):
 whole training steps (zero_grad, forward, loss, backward, SGD step) of torchvision's resnet50
 (BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256), of timm's efficientnet_b0 (49
-BatchNormAct2d; bf16 autocast, channels_last, batch 64) and of 4 diffusers-style ResNet
-blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and NCHW), each with torch's norm
-layers and with `cupynorm.torch.fuse` of a copy, from the same weights on the same
-batch, in three modes: eager, graphed (the whole step captured in one CUDA graph) and compile
-(`torch.compile(model)`). Per row: step ms (median, CUDA events around whole steps) and the
-speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms per step and
-kernel launches per norm layer (torch.profiler), the host time to issue a step and, from it less
-that of the model with its norm layers replaced by nn.Identity, the host time per norm layer
-(forward + backward). Before timing,
+BatchNormAct2d; bf16 autocast, channels_last, batch 64), of timm's convnext_tiny (23 LayerNorm;
+bf16 autocast, channels_last, batch 64; converted with `replace_norms(include=[nn.LayerNorm])`),
+of 4 diffusers-style ResNet blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and
+NCHW) and of a transformers Llama decoder (its RMSNorm layers converted), each with torch's norm
+layers and with `cupynorm.torch.fuse` of a copy (unless the row says otherwise), from the same
+weights on the same batch, in three modes: eager, graphed (the whole step captured in one CUDA
+graph) and compile (`torch.compile(model)`). Per row: step ms (median, CUDA events around whole
+steps) and the speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms
+per step and kernel launches per norm layer (torch.profiler), the host time to issue a step and,
+from it less that of the model with its norm layers replaced by nn.Identity, the host time per
+norm layer (forward + backward). Before timing,
 the output and input gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm
 fails the row when its error is above 2x torch's. See `cupynorm.bench.train`.
 

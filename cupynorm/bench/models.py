@@ -3,8 +3,9 @@
 - seed 002's reference models (KernelBench level 2, 28) for the `row_norm_add_mul_fp32` and
   `seed002_model_fp32` rows;
 - the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()`, timm's
-  `efficientnet_b0`, a stack of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not
-  a dependency: the block is written here) and a transformers Llama decoder (random init).
+  `efficientnet_b0` and `convnext_tiny`, a stack of diffusers-style ResNet blocks with
+  GroupNorm(32) (diffusers is not a dependency: the block is written here) and a transformers
+  Llama decoder (random init).
 """
 
 from __future__ import annotations
@@ -183,10 +184,19 @@ def llama(workload: ModelWorkload) -> torch.nn.Module:
     return _llama_lm_class()(transformers.LlamaForCausalLM(config))
 
 
+def convnext_tiny(workload: ModelWorkload) -> torch.nn.Module:
+    """timm's `convnext_tiny` (random weights; its blocks normalize NHWC rows with timm's
+    LayerNorm, its stem, downsamples and head with LayerNorm2d); an ImportError when timm is
+    missing."""
+    timm = importlib.import_module("timm")
+    return timm.create_model("convnext_tiny", num_classes=workload.num_classes)
+
+
 # The models group's models by name; each builds the model on the CPU in float32.
 MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "resnet50": resnet50,
     "efficientnet_b0": efficientnet_b0,
+    "convnext_tiny": convnext_tiny,
     "gn_resnet_blocks": gn_resnet_blocks,
     "llama": llama,
 }

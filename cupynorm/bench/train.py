@@ -228,11 +228,13 @@ def _make_batch(
 def _convert(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.Module:
     """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
     the norms converted and a BatchNorm2d's following activation and residual add folded into
-    it, or transformers' RMSNorm layers converted (imported here: it needs torch and registers
-    ops)."""
+    it, or transformers' RMSNorm layers or the LayerNorm layers converted (imported here: it
+    needs torch and registers ops)."""
     cnt = importlib.import_module("cupynorm.torch")
     if workload.convert == "llama_rms_norm":
         return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
+    if workload.convert == "layer_norms":
+        return cnt.replace_norms(model, include=[importlib.import_module("torch").nn.LayerNorm])
     return cnt.fuse(model)
 
 

@@ -392,9 +392,10 @@ class ModelWorkload:
     # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
     accuracy_batch: int | None = None
     goal_text: str = ""  # e.g. ">= 1.15x torch eager"
-    # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), or "llama_rms_norm"
+    # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), "llama_rms_norm"
     # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
-    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md).
+    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md) or "layer_norms"
+    # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in).
     convert: str = "fuse"
     layers: int = 0  # decoder layers of a transformer model (the llama factory)
 
@@ -412,6 +413,10 @@ _RESNET50_TITLE = "torchvision resnet50() training step (53 BatchNorm2d), bf16 a
 _EFFICIENTNET_TITLE = (
     "timm efficientnet_b0 training step (49 BatchNormAct2d: BatchNorm then SiLU), bf16 autocast, "
     "SGD"
+)
+_CONVNEXT_TITLE = (
+    "timm convnext_tiny training step (23 LayerNorm: 18 over the channels of NHWC rows, 5 "
+    "LayerNorm2d), bf16 autocast, SGD"
 )
 _GN_BLOCKS_TITLE = (
     "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
@@ -450,6 +455,16 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         input_shape=(64, 3, 224, 224),
         autocast="bfloat16",
         channels_last=True,
+    ),
+    ModelWorkload(
+        name="convnext_tiny_b64_bf16_cl",
+        title=_CONVNEXT_TITLE,
+        model="convnext_tiny",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        accuracy_batch=16,
+        convert="layer_norms",
     ),
     ModelWorkload(
         name="gn_blocks_fp16_cl",
