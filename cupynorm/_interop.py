@@ -57,6 +57,21 @@ class TorchBackend:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
 
+    def call_key(self, key: list, args: tuple) -> list:
+        """Append what a call's plan depends on to ``key`` (every argument, a tensor as its
+        :meth:`signature`); return the tensors. Flat, without a tuple per tensor (the key is
+        built on every call): a tensor's entries open with its dtype, which equals no other
+        argument, so two argument lists never give the same key."""
+        tensors = []
+        tensor = self.array_type
+        for a in args:
+            if isinstance(a, tensor):
+                tensors.append(a)
+                key += (a.dtype, a.shape, a.stride(), a.data_ptr() % 16)
+            else:
+                key.append(a)
+        return tensors
+
     @staticmethod
     def ptr(x: Any) -> int:
         return x.data_ptr()
@@ -163,6 +178,19 @@ class CupyBackend:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.strides, x.dtype.char, x.data.ptr % 16)
 
+    def call_key(self, key: list, args: tuple) -> list:
+        """Append every argument to ``key``, an array as its :meth:`signature`; return the
+        arrays (see :meth:`TorchBackend.call_key`)."""
+        arrays = []
+        array, signature = self.array_type, self.signature
+        for a in args:
+            if isinstance(a, array):
+                arrays.append(a)
+                key.append(signature(a))
+            else:
+                key.append(a)
+        return arrays
+
     @staticmethod
     def ptr(x: Any) -> int:
         return x.data.ptr
@@ -261,12 +289,16 @@ class CupyBackend:
 
 
 _backends: dict[str, Any] = {}
+_backend_of_type: dict[type, Any] = {}  # whether x is a torch tensor depends on its type alone
 
 
 def backend_of(x: Any) -> Any:
     """The backend for a torch tensor or a CuPy array (constructed once per process)."""
-    kind = "torch" if is_torch_tensor(x) else "cupy"
-    backend = _backends.get(kind)
+    backend = _backend_of_type.get(type(x))
     if backend is None:
-        backend = _backends[kind] = TorchBackend() if kind == "torch" else CupyBackend()
+        kind = "torch" if is_torch_tensor(x) else "cupy"
+        backend = _backends.get(kind)
+        if backend is None:
+            backend = _backends[kind] = TorchBackend() if kind == "torch" else CupyBackend()
+        _backend_of_type[type(x)] = backend
     return backend

@@ -189,17 +189,18 @@ class _Program:
 
     def run(self, bk: Any, device: int, tensors: list) -> tuple:
         objects = list(tensors)
+        append = objects.append
         for allocate, like in self.allocations:
-            objects.append(allocate() if like is None else allocate(objects[like]))
+            append(allocate() if like is None else allocate(objects[like]))
         pointers = bk.pointers(objects)
         stream = bk.stream(device)
         with _compile.current_device(device):
             for launcher, grid, block, smem, template, slots in self.steps:
-                args = list(template)
+                args = [*template]
                 for i, source, offset in slots:
                     args[i] = pointers[source] + offset
                 launcher.launch(grid, block, smem, stream, args)
-        return tuple(None if i is None else objects[i] for i in self.outputs)
+        return tuple([None if i is None else objects[i] for i in self.outputs])
 
 
 def _programmed(op: Any) -> Any:
@@ -209,15 +210,10 @@ def _programmed(op: Any) -> Any:
     @functools.wraps(op)
     def run(*args: Any, **kwargs: Any) -> Any:
         bk = _interop.backend_of(args[0])
-        array_type, signature = bk.array_type, bk.signature
-        tensors = []
-        key = [name, bk.name, bk.device_id(args[0]), *kwargs.items()]
-        for a in args:
-            if isinstance(a, array_type):
-                tensors.append(a)
-                key.append(signature(a))
-            else:
-                key.append(a)
+        key = [name, bk.name, bk.device_id(args[0])]
+        if kwargs:
+            key += kwargs.items()
+        tensors = bk.call_key(key, args)
         key = tuple(key)
         device = key[2]
         program = _PROGRAMS.get(key)
