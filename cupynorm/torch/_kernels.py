@@ -57,6 +57,12 @@ def _vec(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.is_contiguous() else t.contiguous()
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``; a tensor already of that dtype as it is, without the call (``.to`` with
+    nothing to do costs ~1 us of argument parsing; the kernels usually wrote the right dtype)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _write_back(running: Tensor | None, updated: Tensor | None) -> None:
     """Copy a running statistic updated on a contiguous copy back into the original."""
     if updated is not running:
@@ -128,8 +134,8 @@ def _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask):
     """Give the host code's gradients exactly the layout and dtypes the fake kernels promise."""
     pdtype = _param_dtype(x, weight)
     dx = dx.contiguous(memory_format=fmt) if output_mask[0] else None
-    dweight = dweight.to(pdtype) if output_mask[1] else None
-    dbias = dbias.to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight, pdtype) if output_mask[1] else None
+    dbias = _cast(dbias, pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
@@ -486,8 +492,8 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=
     )
     pdtype = _param_dtype(x, weight)
     dx = dx.reshape(x.shape) if output_mask[0] else None
-    dweight = dweight.reshape(row).to(pdtype) if output_mask[1] else None
-    dbias = dbias.reshape(row).to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight.reshape(row), pdtype) if output_mask[1] else None
+    dbias = _cast(dbias.reshape(row), pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
@@ -549,8 +555,8 @@ def _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask):
     )
     pdtype = _param_dtype(x, weight)
     dx = dx if output_mask[0] else None
-    dweight = dweight.to(pdtype) if output_mask[1] else None
-    dbias = dbias.to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight, pdtype) if output_mask[1] else None
+    dbias = _cast(dbias, pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
