@@ -57,20 +57,22 @@ class TorchBackend:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
 
-    def call_key(self, key: list, args: tuple) -> list:
+    def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
         """Append what a call's plan depends on to ``key`` (every argument, a tensor as its
-        :meth:`signature`); return the tensors. Flat, without a tuple per tensor (the key is
-        built on every call): a tensor's entries open with its dtype, which equals no other
-        argument, so two argument lists never give the same key."""
-        tensors = []
+        :meth:`signature`); return the tensors and their pointers. Flat, without a tuple per
+        tensor (the key is built on every call): a tensor's entries open with its dtype, which
+        equals no other argument, so two argument lists never give the same key."""
+        tensors, pointers = [], []
         tensor = self.array_type
         for a in args:
             if isinstance(a, tensor):
                 tensors.append(a)
-                key += (a.dtype, a.shape, a.stride(), a.data_ptr() % 16)
+                p = a.data_ptr()
+                pointers.append(p)
+                key += (a.dtype, a.shape, a.stride(), p % 16)
             else:
                 key.append(a)
-        return tensors
+        return tensors, pointers
 
     @staticmethod
     def ptr(x: Any) -> int:
@@ -178,9 +180,9 @@ class CupyBackend:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.strides, x.dtype.char, x.data.ptr % 16)
 
-    def call_key(self, key: list, args: tuple) -> list:
+    def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
         """Append every argument to ``key``, an array as its :meth:`signature`; return the
-        arrays (see :meth:`TorchBackend.call_key`)."""
+        arrays and their pointers (see :meth:`TorchBackend.call_key`)."""
         arrays = []
         array, signature = self.array_type, self.signature
         for a in args:
@@ -189,7 +191,7 @@ class CupyBackend:
                 key.append(signature(a))
             else:
                 key.append(a)
-        return arrays
+        return arrays, self.pointers(arrays)
 
     @staticmethod
     def ptr(x: Any) -> int:

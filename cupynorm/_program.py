@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -138,7 +139,7 @@ class _Recording:
             for launcher, grid, block, smem, template, slots in self.steps
         )
         outputs = tuple(None if o is None else place(o)[0] for o in outputs)
-        return _Program(tuple(allocations), steps, outputs, self.mutating)
+        return _Program(tuple(allocations), steps, outputs, self.mutating, n_inputs)
 
 
 class _RecordingBackend:
@@ -178,28 +179,74 @@ class _RecordingBackend:
         return getattr(self._bk, name)
 
 
+def _getter(indices: list[int]) -> Callable[[list], tuple]:
+    """``table -> tuple(table[i] for i in indices)``, in C (operator.itemgetter)."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    if indices:
+        return lambda table, i=indices[0]: (table[i],)
+    return lambda table: ()
+
+
 class _Program:
-    """A recorded call: allocate, then launch with the new pointers."""
+    """A recorded call: allocate, then launch with the new pointers.
 
-    __slots__ = ("allocations", "steps", "outputs", "mutating")
+    ``steps`` are the launches as recorded: (launcher, grid, block, smem, argument template,
+    pointer slots (argument, object, byte offset)). A replay builds one table per call -- the
+    objects' pointers (inputs, then allocations), the pointers at offsets into them (the
+    workspace's pieces), then every constant argument -- and gathers each launch's arguments
+    from it in C (operator.itemgetter), with no Python loop over arguments.
+    """
 
-    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool) -> None:
+    __slots__ = ("allocations", "steps", "outputs", "mutating", "_offsets", "_constants", "_go")
+
+    def __init__(
+        self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool, n_inputs: int
+    ) -> None:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
         self.mutating = mutating
+        n_objects = n_inputs + len(allocations)
+        offsets: dict[tuple[int, int], int] = {}  # (object, byte offset) -> place after objects
+        for *_, slots in steps:
+            for _i, source, offset in slots:
+                if offset:
+                    offsets.setdefault((source, offset), n_objects + len(offsets))
+        self._offsets = tuple(offsets)
+        self._constants: list = []
+        go = []
+        for launcher, grid, block, smem, template, slots in steps:
+            pointer = {i: offsets[s, o] if o else s for i, s, o in slots}
+            indices = []
+            for i, value in enumerate(template):
+                if i not in pointer:
+                    pointer[i] = n_objects + len(offsets) + len(self._constants)
+                    self._constants.append(value)
+                indices.append(pointer[i])
+            go.append((launcher, grid, block, smem, _getter(indices)))
+        self._go = tuple(go)
 
-    def run(self, bk: Any, device: int, tensors: list) -> tuple:
+    def run(self, bk: Any, device: int, tensors: list, pointers: list | None = None) -> tuple:
+        """Allocate and launch for ``tensors`` (the call's tensor arguments, in order), whose
+        pointers the caller may pass (the call key reads them)."""
         objects = list(tensors)
         append = objects.append
         for allocate, like in self.allocations:
             append(allocate() if like is None else allocate(objects[like]))
-        pointers = bk.pointers(objects)
+        if pointers is None:
+            table = bk.pointers(objects)
+        else:
+            table = [*pointers, *bk.pointers(objects[len(pointers) :])]
+        if self._offsets:
+            table += [table[source] + offset for source, offset in self._offsets]
+        table += self._constants
         stream = bk.stream(device)
-        with _compile.current_device(device):
-            for launcher, grid, block, smem, template, slots in self.steps:
-                args = [*template]
-                for i, source, offset in slots:
-                    args[i] = pointers[source] + offset
-                launcher.launch(grid, block, smem, stream, args)
+        previous = _compile.switch_device(device)
+        try:
+            for launcher, grid, block, smem, gather in self._go:
+                launcher.launch(grid, block, smem, stream, gather(table))
+        finally:
+            if previous is not None:
+                _compile.restore_device(previous)
         return tuple([None if i is None else objects[i] for i in self.outputs])
 
 
@@ -213,14 +260,14 @@ def _programmed(op: Any) -> Any:
         key = [name, bk.name, bk.device_id(args[0])]
         if kwargs:
             key += kwargs.items()
-        tensors = bk.call_key(key, args)
+        tensors, pointers = bk.call_key(key, args)
         key = tuple(key)
         device = key[2]
         program = _PROGRAMS.get(key)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs)
         if program is not None:
-            return program.run(bk, device, tensors)
+            return program.run(bk, device, tensors, pointers)
         recording = _Recording(bk, tensors)
         _active.recording = recording
         try:

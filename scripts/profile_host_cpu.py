@@ -18,7 +18,6 @@ Usage: python scripts/profile_host_cpu.py [act|bn] [--steps N] [--stack L] [--la
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import pstats
 import sys
@@ -73,13 +72,12 @@ def _cuda_host_code_on_cpu(launches: str = "driver") -> None:
     backend = _CpuTorchBackend()
     _interop.backend_of = lambda x: backend
     _plan.device_info = lambda device: H200
+    _compile._runtime = lambda: _NoDriver
     if launches == "none":
         _compile.launcher = lambda *args: _NoLaunch()
-        _compile.current_device = lambda device: contextlib.nullcontext()
     else:
         _compile.get_kernel = lambda *args: SimpleNamespace(ptr=0)
         _compile._driver = lambda: _NoDriver
-        _compile._runtime = lambda: _NoDriver
     _compile.max_block_threads = lambda *a: 1024
     _compile.resident_ctas = lambda *a: 2
     _compile.has_cooperative_launch = lambda: True

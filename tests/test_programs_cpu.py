@@ -8,8 +8,6 @@ with which pointers, and what is never recorded.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -27,6 +25,18 @@ class _CpuTorchBackend(_interop.TorchBackend):
 
     def stream(self, device_id: int) -> int:
         return 0
+
+
+class _CurrentDevice:
+    """cupy.cuda.runtime's current-device calls on a machine with device 0 only."""
+
+    @staticmethod
+    def getDevice() -> int:
+        return 0
+
+    @staticmethod
+    def setDevice(device: int) -> None:
+        assert device == 0
 
 
 class _FakeLauncher:
@@ -50,7 +60,7 @@ def launches(monkeypatch):
     )
     monkeypatch.setattr(_compile, "max_block_threads", lambda *a: 1024)
     monkeypatch.setattr(_compile, "resident_ctas", lambda *a: 2)
-    monkeypatch.setattr(_compile, "current_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_compile, "_runtime", lambda: _CurrentDevice)
     monkeypatch.setattr(_compile, "has_cooperative_launch", lambda: True)
     monkeypatch.setattr(_program, "check_replay", None)
     monkeypatch.setattr(_program, "_PROGRAMS", {})
@@ -351,4 +361,102 @@ def test_fused_group_norm_long_segments_take_the_strided_passes(launches) -> Non
         "strided_norm_stats_rows",
         "strided_norm_finalize",
         "fused_norm_apply_rows_silu",
+    ]
+
+
+# ---- a replay launches exactly what the full path launches ----------------------------------
+def _cl(*shape):
+    return torch.rand(shape).to(memory_format=torch.channels_last)
+
+
+def _recorded_calls():
+    """(op, arguments maker) of recorded calls across the families, with workspaces (partials
+    at offsets), constants of every type and pointers in every position."""
+    c = 16
+    w, b, rm, rv = torch.rand(c), torch.rand(c), torch.zeros(c), torch.ones(c)
+    stats = (torch.rand(c), torch.rand(c))
+    mask = (True, True, True)
+    return {
+        "bn-fwd-cl": (_ops.batch_norm_fwd, lambda: (_cl(4, c, 5, 7), w, b, rm, rv, True, 0.1,
+                                                    1e-5)),
+        "bn-fwd-nchw": (
+            _ops.batch_norm_fwd,
+            lambda: (torch.rand(4, c, 5, 7), w, b, rm, rv, True, 0.1, 1e-5),
+        ),
+        "bn-fwd-eval": (_ops.batch_norm_fwd, lambda: (_cl(4, c, 5, 7), w, b, rm, rv, False, 0.1,
+                                                      1e-5)),
+        "bn-bwd-cl": (
+            _ops.batch_norm_bwd,
+            lambda: (_cl(4, c, 5, 7), _cl(4, c, 5, 7), *stats, w, True, mask),
+        ),
+        "bn-act-bwd": (
+            _ops.batch_norm_act_bwd,
+            lambda: (_cl(4, c, 5, 7), _cl(4, c, 5, 7), *stats, w, True, (*mask, True),
+                     _cl(4, c, 5, 7), b, "relu"),
+        ),
+        "gn-fwd-team": (_ops.group_norm_fwd, lambda: (torch.rand(2, 4, 256, 256), 2, None, None,
+                                                      1e-5)),
+        "gn-bwd": (
+            _ops.group_norm_bwd,
+            lambda: (torch.rand(2, 8, 5, 8), torch.rand(2, 8, 5, 8), torch.rand(2, 2),
+                     torch.rand(2, 2), torch.rand(8), 2, mask),
+        ),
+        "row-fwd": (
+            _ops.row_norm_fwd,
+            lambda: (torch.rand(6, 64), None, torch.rand(64), torch.rand(64), 64, 1e-5, False),
+        ),
+        "row-bwd": (
+            _ops.row_norm_bwd,
+            lambda: (torch.rand(6, 64), None, torch.rand(6, 64), torch.rand(6), torch.rand(6),
+                     torch.rand(64), 64, mask),
+        ),
+    }  # fmt: skip
+
+
+def _symbolic(log: list, tensors: list, outputs: tuple) -> list:
+    """The launches with every pointer named after what it points at: the call's tensors by
+    position, then its outputs, any other (scratch) by order of first use."""
+    names = {t.data_ptr(): f"out{j}" for j, t in enumerate(outputs) if t is not None}
+    names.update({t.data_ptr(): f"in{i}" for i, t in enumerate(tensors)})
+    scratch: dict[int, str] = {}
+    rows = []
+    for kernel, grid, block, smem, values, codes in log:
+        row = [
+            (names.get(v) or scratch.setdefault(v, f"scratch{len(scratch)}"))
+            if code == "Q" and v
+            else v
+            for v, code in zip(values, codes, strict=True)
+        ]
+        rows.append((kernel, grid, block, smem, row))
+    return rows
+
+
+@pytest.mark.parametrize("case", list(_recorded_calls()))
+def test_replay_launches_what_the_full_path_launches(launches, monkeypatch, case) -> None:
+    log: list = []
+
+    class Logged:
+        def __init__(self, kernel: str, codes: str) -> None:
+            self.kernel, self.codes = kernel, codes
+
+        def launch(self, grid, block, smem, stream, args) -> None:
+            values = [a.item() if hasattr(a, "item") else a for a in args]
+            log.append((self.kernel, grid, tuple(block), smem, values, self.codes))
+
+    monkeypatch.setattr(_compile, "launcher", lambda dev, src, k, *rest: Logged(k, rest[-1]))
+    op, make = _recorded_calls()[case]
+    op(*make())  # recorded
+    (program,) = _program._PROGRAMS.values()
+    assert isinstance(program, _program._Program)
+    args = make()
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    log.clear()
+    replayed = op(*args)
+    replay = _symbolic(log, tensors, replayed)
+    _program._PROGRAMS.clear()
+    log.clear()
+    full = op(*args)  # the full path on the same arguments
+    assert replay == _symbolic(log, tensors, full)
+    assert [None if t is None else (t.shape, t.stride(), t.dtype) for t in replayed] == [
+        None if t is None else (t.shape, t.stride(), t.dtype) for t in full
     ]
