@@ -57,6 +57,11 @@ class TorchBackend:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
 
+    @staticmethod
+    def layout(x: Any) -> tuple:
+        """A tensor's signature but its alignment, and its device."""
+        return (x.dtype, x.shape, x.stride(), x.device)
+
     def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
         """Append what a call's plan depends on to ``key`` (every argument, a tensor as its
         :meth:`signature`); return the tensors and their pointers. Flat, without a tuple per
@@ -179,6 +184,11 @@ class CupyBackend:
     def signature(x: Any) -> tuple:
         """What the kernels' plan depends on: shape, strides, dtype, 16-byte alignment."""
         return (x.shape, x.strides, x.dtype.char, x.data.ptr % 16)
+
+    @staticmethod
+    def layout(x: Any) -> tuple:
+        """An array's signature but its alignment, and its device."""
+        return (x.dtype.char, x.shape, x.strides, x.device.id)
 
     def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
         """Append every argument to ``key``, an array as its :meth:`signature`; return the

@@ -198,13 +198,23 @@ class _Program:
     from it in C (operator.itemgetter), with no Python loop over arguments.
     """
 
-    __slots__ = ("allocations", "steps", "outputs", "mutating", "_offsets", "_constants", "_go")
+    __slots__ = (
+        "allocations",
+        "steps",
+        "outputs",
+        "mutating",
+        "bound",
+        "_offsets",
+        "_constants",
+        "_go",
+    )
 
     def __init__(
         self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool, n_inputs: int
     ) -> None:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
         self.mutating = mutating
+        self.bound: dict[Any, list[_Bound]] = {}  # calls bound to this one: call_bound
         n_objects = n_inputs + len(allocations)
         offsets: dict[tuple[int, int], int] = {}  # (object, byte offset) -> place after objects
         for *_, slots in steps:
@@ -250,37 +260,137 @@ class _Program:
         return tuple([None if i is None else objects[i] for i in self.outputs])
 
 
+def _call_key(name: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, list, list[int]]:
+    """(backend, key, tensor arguments, their pointers) of a call of the op ``name``."""
+    bk = _interop.backend_of(args[0])
+    key = [name, bk.name, bk.device_id(args[0])]
+    if kwargs:
+        key += kwargs.items()
+    tensors, pointers = bk.call_key(key, args)
+    return bk, tuple(key), tensors, pointers
+
+
 def _programmed(op: Any) -> Any:
-    """Run ``op`` through the program cache (see above). Its first argument is a tensor."""
+    """Run ``op`` through the program cache (see above). Its first argument is a tensor.
+
+    The wrapper's ``with_program(*args, **kwargs)`` returns ``(outputs, program)``: the recorded
+    program that made them, or None (see :func:`call_bound`)."""
     name = op.__name__
 
     @functools.wraps(op)
     def run(*args: Any, **kwargs: Any) -> Any:
+        # _call_key inlined: this is every call's path
         bk = _interop.backend_of(args[0])
         key = [name, bk.name, bk.device_id(args[0])]
         if kwargs:
             key += kwargs.items()
         tensors, pointers = bk.call_key(key, args)
         key = tuple(key)
-        device = key[2]
         program = _PROGRAMS.get(key)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs)
         if program is not None:
-            return program.run(bk, device, tensors, pointers)
-        recording = _Recording(bk, tensors)
-        _active.recording = recording
-        try:
-            outputs = op(*args, **kwargs)
-        finally:
-            _active.recording = None
-        if len(_PROGRAMS) >= _PROGRAMS_MAX:
-            _PROGRAMS.clear()
-        program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
-        if check_replay is not None and program is not _UNRECORDABLE and not program.mutating:
-            replayed = program.run(bk, device, tensors)
-            check_replay(outputs, replayed)
-            return replayed
-        return outputs
+            return program.run(bk, key[2], tensors, pointers)
+        return _record(op, bk, key, tensors, args, kwargs)[0]
 
+    def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
+        bk = _interop.backend_of(args[0])  # _call_key inlined, as in run
+        key = [name, bk.name, bk.device_id(args[0])]
+        if kwargs:
+            key += kwargs.items()
+        tensors, pointers = bk.call_key(key, args)
+        key = tuple(key)
+        program = _PROGRAMS.get(key)
+        if program is _UNRECORDABLE or _active.recording is not None:
+            return op(*args, **kwargs), None
+        if program is not None:
+            return program.run(bk, key[2], tensors, pointers), program
+        return _record(op, bk, key, tensors, args, kwargs)
+
+    run.with_program = with_program
     return run
+
+
+def _record(
+    op: Any, bk: Any, key: tuple, tensors: list, args: tuple, kwargs: dict
+) -> tuple[Any, _Program | None]:
+    """The first call with a signature: the full path, recorded; (outputs, program or None)."""
+    recording = _Recording(bk, tensors)
+    _active.recording = recording
+    try:
+        outputs = op(*args, **kwargs)
+    finally:
+        _active.recording = None
+    if len(_PROGRAMS) >= _PROGRAMS_MAX:
+        _PROGRAMS.clear()
+    program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
+    if program is _UNRECORDABLE:
+        return outputs, None
+    if check_replay is not None and not program.mutating:
+        replayed = program.run(bk, key[2], tensors)
+        check_replay(outputs, replayed)
+        return replayed, program
+    return outputs, program
+
+
+# ---- bound calls -----------------------------------------------------------------------------
+# A training step calls the backward with the forward's tensors (x, weight, the statistics the
+# forward made) and one new one, dy: everything in the backward's key but dy's layout and the
+# alignments is fixed by the forward's program. A bound call keeps that key, made once per
+# forward program; a later backward checks dy's layout and the alignments (no signature of the
+# fixed tensors: ~5k instructions each, nor a key to build) and finds its program with it. The
+# caller vouches that the fixed tensors are the forward's own (the autograd layer checks their
+# identity), so that their layouts are those the forward program's key holds.
+class _Bound:
+    """The key of a call whose tensors but the first argument (dy) are fixed (see above), and
+    what a later call checks against it: dy's layout, the other arguments' values."""
+
+    __slots__ = ("bk", "key", "layout", "tensors", "others", "values")
+
+    def __init__(self, bk: Any, key: tuple | None, args: tuple) -> None:
+        self.bk, self.key = bk, key
+        self.layout = bk.layout(args[0])
+        tensor = [i for i, a in enumerate(args) if isinstance(a, bk.array_type)]
+        self.tensors = _getter(tensor)
+        self.others = _getter([i for i in range(len(args)) if i not in tensor])
+        self.values = self.others(args)
+
+    def run(self, op: Any, args: tuple) -> Any:
+        """``op(*args)`` for arguments with the bound values: replayed without a new key when
+        dy's layout and every alignment are the bound ones and the program is recorded, else
+        through ``op`` itself."""
+        bk = self.bk
+        if self.key is None or bk.layout(args[0]) != self.layout:
+            return op(*args)
+        program = _PROGRAMS.get(self.key)
+        if type(program) is not _Program or _active.recording is not None:
+            return op(*args)
+        tensors = list(self.tensors(args))
+        pointers = bk.pointers(tensors)
+        if functools.reduce(operator.or_, pointers) % 16:
+            return op(*args)
+        return program.run(bk, self.key[2], tensors, pointers)
+
+
+_BOUND_MAX = 16  # bound calls kept per op by one forward program (other argument values)
+
+
+def call_bound(forward: _Program, op: Any, args: tuple) -> Any:
+    """``op(*args)`` (a :func:`_programmed` op) as a call bound to the recorded call
+    ``forward``: all its tensors but the first (dy) are ``forward``'s own inputs or outputs
+    (the caller vouches for that, see above). A bound call is made on the first call with each
+    value of the other arguments and kept by ``forward``; it replays nothing when that call's
+    tensors were not all 16-byte aligned (each alignment is in the key: a bound call checks
+    them all at once, by one bitwise or)."""
+    bounds = forward.bound.get(op)
+    if bounds is None:
+        bounds = forward.bound[op] = []
+    for bound in bounds:  # usually one
+        if bound.others(args) == bound.values:
+            return bound.run(op, args)
+    bk, key, _tensors, pointers = _call_key(op.__name__, args, {})
+    aligned = not functools.reduce(operator.or_, pointers, 0) % 16
+    bound = _Bound(bk, key if aligned else None, args)
+    if len(bounds) < _BOUND_MAX:
+        bounds.append(bound)
+    return bound.run(op, args)

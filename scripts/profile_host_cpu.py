@@ -26,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch.autograd.function import once_differentiable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,11 +82,9 @@ def _cuda_host_code_on_cpu(launches: str = "driver") -> None:
     _compile.has_cooperative_launch = lambda: True
     _program.check_replay = None
     functional._use_kernels = lambda x: True
-    _autograd._batch_norm_fwd = _kernels._batch_norm_fwd_cuda
-    bwd = _autograd._make_batch_norm_act_backward(_kernels._batch_norm_act_bwd_cuda)
-    _autograd._BatchNormActFunction.backward = staticmethod(once_differentiable(bwd))
-    bwd = _autograd._make_batch_norm_backward(_kernels._batch_norm_bwd_cuda)
-    _autograd._BatchNormFunction.backward = staticmethod(once_differentiable(bwd))
+    _autograd._batch_norm_fwd_program = _kernels._batch_norm_fwd_cuda_program
+    _autograd._batch_norm_bwd = _kernels._batch_norm_bwd_cuda
+    _autograd._batch_norm_act_bwd = _kernels._batch_norm_act_bwd_cuda
 
 
 def main() -> None:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cupynorm import _program  # no CuPy: the recorded calls' bookkeeping
+
 from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
@@ -276,6 +278,32 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
+def _batch_norm_fwd_cuda_program(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training,
+    momentum,
+    eps,
+    residual=None,
+    act="identity",
+):
+    """(y, save_mean, save_rstd) of batch norm (with ``residual`` / ``act`` the fused op
+    y = act(norm(x) + residual)), and the recorded program that made them or None."""
+    x, fmt = _dense(x)
+    mean, var = _vec(running_mean), _vec(running_var)
+    # fmt: off
+    (y, save_mean, save_rstd), program = _host().batch_norm_fwd.with_program(
+        x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act)
+    # fmt: on
+    if training:
+        _write_back(running_mean, mean)
+        _write_back(running_var, var)
+    return (y.contiguous(memory_format=fmt), save_mean, save_rstd), program
+
+
 def _batch_norm_fwd_cuda(
     x,
     weight,
@@ -301,12 +329,14 @@ def _batch_norm_fwd_cuda(
     return y.contiguous(memory_format=fmt), save_mean, save_rstd
 
 
-def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask):
+def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask, forward=None):
+    """``forward``: the forward's recorded program, when every tensor but dy is the forward's
+    own (the eager autograd.Function: _autograd._keep_forward)."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
-    dx, dweight, dbias = _host().batch_norm_bwd(
-        dy, x, save_mean, save_rstd, _vec(weight), training, tuple(output_mask)
-    )
+    args = (dy, x, save_mean, save_rstd, _vec(weight), training, tuple(output_mask))
+    op = _host().batch_norm_bwd
+    dx, dweight, dbias = op(*args) if forward is None else _program.call_bound(forward, op, args)
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
 
 
@@ -321,26 +351,37 @@ def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, moment
     )
 
 
+def _batch_norm_fwd_program(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                            *epi):  # fmt: skip
+    """:func:`_batch_norm_fwd` and the recorded program that made its outputs, or None."""
+    args = (x, weight, bias, running_mean, running_var, training, momentum, eps, *epi)
+    if x.is_cuda:
+        return _batch_norm_fwd_cuda_program(*args)
+    return _batch_norm_fwd_reference(*args), None
+
+
 def _batch_norm_act_bwd_cuda(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
 ):
-    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
+    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order; ``forward``
+    as for :func:`_batch_norm_bwd_cuda`."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
-    dx, dweight, dbias, dres = _host().batch_norm_act_bwd(
-        dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act
-    )
+    args = (dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act)
+    op = _host().batch_norm_act_bwd
+    grads = op(*args) if forward is None else _program.call_bound(forward, op, args)
+    dx, dweight, dbias, dres = grads
     dx, dweight, dbias = _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask[:3])
     return dx, dweight, dbias, dres
 
 
 def _batch_norm_act_bwd(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
 ):
     args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
     if x.is_cuda:
-        return _batch_norm_act_bwd_cuda(*args)
+        return _batch_norm_act_bwd_cuda(*args, forward)
     return _batch_norm_act_bwd_reference(*args)
 
 
@@ -367,10 +408,11 @@ def _batch_norm_act_bwd_fake(
     )
 
 
-def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask):
+def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask, forward=None):
+    args = (dy, x, save_mean, save_rstd, weight, training, output_mask)
     if x.is_cuda:
-        return _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask)
-    return _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask)
+        return _batch_norm_bwd_cuda(*args, forward)
+    return _batch_norm_bwd_reference(*args)
 
 
 def _batch_norm_fwd_op_kernel(fwd):
