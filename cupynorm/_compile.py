@@ -145,7 +145,18 @@ class Launcher:
     launch; ``launch`` takes plain Python ints and floats (or numpy scalars) in that order.
     """
 
-    __slots__ = ("function", "device_id", "ptr", "cooperative", "_packer", "_offsets", "_local")
+    __slots__ = (
+        "function",
+        "device_id",
+        "ptr",
+        "cooperative",
+        "_packer",
+        "_pack",
+        "_offsets",
+        "_local",
+        "_launch",
+        "_error",
+    )
 
     def __init__(
         self, function: Any, device_id: int, codes: str, cooperative: bool = False
@@ -155,25 +166,28 @@ class Launcher:
         self.cooperative = cooperative
         self.ptr = function.ptr
         self._packer = struct.Struct("@" + codes)
+        self._pack = self._packer.pack_into
         self._offsets = [
             struct.calcsize("@" + codes[: i + 1]) - struct.calcsize("@" + codes[i])
             for i in range(len(codes))
         ]
         self._local = threading.local()
+        # resolved once: a launch is on every replay's path (~1 us of Python each, of which
+        # packing the arguments is half)
+        driver = _driver()
+        self._launch = _cooperative(driver) if cooperative else driver.launchKernel
+        self._error = driver.CUDADriverError
 
-    def _buffers(self) -> tuple[Any, Any, int]:
-        """This thread's argument buffer, its array of argument pointers and that array's
-        address (the driver copies the arguments during the call, so they are reused)."""
-        try:
-            return self._local.buffers
-        except AttributeError:
-            buffer = ctypes.create_string_buffer(max(1, self._packer.size))
-            base = ctypes.addressof(buffer)
-            pointers = (ctypes.c_void_p * max(1, len(self._offsets)))(
-                *[base + offset for offset in self._offsets]
-            )
-            self._local.buffers = (buffer, pointers, ctypes.addressof(pointers))
-            return self._local.buffers
+    def _buffers(self) -> tuple[Any, int, Any]:
+        """This thread's argument buffer, the address of its array of argument pointers, and
+        that array (the driver copies the arguments during the call, so they are reused)."""
+        buffer = ctypes.create_string_buffer(max(1, self._packer.size))
+        base = ctypes.addressof(buffer)
+        pointers = (ctypes.c_void_p * max(1, len(self._offsets)))(
+            *[base + offset for offset in self._offsets]
+        )
+        self._local.buffers = (buffer, ctypes.addressof(pointers), pointers)
+        return self._local.buffers
 
     def launch(
         self,
@@ -185,37 +199,31 @@ class Launcher:
     ) -> None:
         """Launch on the stream with handle ``stream`` in the calling thread's current context;
         ``grid`` is a CTA count or (x, y) CTA counts."""
-        buffer, _pointers, address = self._buffers()
-        self._packer.pack_into(buffer, 0, *args)
-        bx, by, bz = (*block, 1, 1)[:3]
-        gx, gy = grid if type(grid) is tuple else (grid, 1)
-        driver = _driver()
         try:
-            self._launch(driver, gx, gy, bx, by, bz, smem, stream, address)
-        except driver.CUDADriverError as error:
+            buffer, address, _pointers = self._local.buffers
+        except AttributeError:
+            buffer, address, _pointers = self._buffers()
+        self._pack(buffer, 0, *args)
+        gx, gy = grid if type(grid) is tuple else (grid, 1)
+        bx, by, bz = block if len(block) == 3 else (*block, 1, 1)[:3]
+        try:
+            self._launch(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, address, 0)
+        except self._error as error:
             # a thread that has not used CUDA yet has no current context: make the device's
             # primary context current (cudaSetDevice) and launch again
             if error.status != _CUDA_ERROR_INVALID_CONTEXT:
                 raise
             _runtime().setDevice(self.device_id)
-            self._launch(driver, gx, gy, bx, by, bz, smem, stream, address)
+            self._launch(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, address, 0)
 
-    def _launch(
-        self,
-        driver: Any,
-        gx: int,
-        gy: int,
-        bx: int,
-        by: int,
-        bz: int,
-        smem: int,
-        stream: int,
-        args: int,
-    ) -> None:
-        if self.cooperative:
-            driver.launchCooperativeKernel(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, args)
-        else:
-            driver.launchKernel(self.ptr, gx, gy, 1, bx, by, bz, smem, stream, args, 0)
+
+def _cooperative(driver: Any) -> Any:
+    """cuLaunchCooperativeKernel with cuLaunchKernel's arguments (it takes no ``extra``)."""
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, args, _extra) -> None:
+        driver.launchCooperativeKernel(f, gx, gy, gz, bx, by, bz, smem, stream, args)
+
+    return launch
 
 
 class Memset:
@@ -288,9 +296,25 @@ def resident_ctas(
     return max(1, _driver().occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, smem))
 
 
+def switch_device(device_id: int) -> int | None:
+    """Make ``device_id`` the calling thread's current device (the driver launches in the
+    current context: tensors on cuda:1 while cuda:0 is current); return the device to restore
+    after, or None when it was current already (the usual case: one cudaGetDevice)."""
+    runtime = _runtime()
+    previous = runtime.getDevice()
+    if previous == device_id:
+        return None
+    runtime.setDevice(device_id)
+    return previous
+
+
+def restore_device(previous: int) -> None:
+    _runtime().setDevice(previous)
+
+
 class current_device:
-    """Context manager: ``device_id`` is the calling thread's current device inside (the driver
-    launches in the current context: tensors on cuda:1 while cuda:0 is current)."""
+    """Context manager: ``device_id`` is the calling thread's current device inside (see
+    :func:`switch_device`)."""
 
     __slots__ = ("device_id", "previous")
 
@@ -298,10 +322,8 @@ class current_device:
         self.device_id = device_id
 
     def __enter__(self) -> None:
-        self.previous = _runtime().getDevice()
-        if self.previous != self.device_id:
-            _runtime().setDevice(self.device_id)
+        self.previous = switch_device(self.device_id)
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous != self.device_id:
-            _runtime().setDevice(self.previous)
+        if self.previous is not None:
+            restore_device(self.previous)

@@ -58,6 +58,28 @@ class TorchBackend:
         return (x.shape, x.stride(), x.dtype, x.data_ptr() % 16)
 
     @staticmethod
+    def layout(x: Any) -> tuple:
+        """A tensor's signature but its alignment, and its device."""
+        return (x.dtype, x.shape, x.stride(), x.device)
+
+    def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
+        """Append what a call's plan depends on to ``key`` (every argument, a tensor as its
+        :meth:`signature`); return the tensors and their pointers. Flat, without a tuple per
+        tensor (the key is built on every call): a tensor's entries open with its dtype, which
+        equals no other argument, so two argument lists never give the same key."""
+        tensors, pointers = [], []
+        tensor = self.array_type
+        for a in args:
+            if isinstance(a, tensor):
+                tensors.append(a)
+                p = a.data_ptr()
+                pointers.append(p)
+                key += (a.dtype, a.shape, a.stride(), p % 16)
+            else:
+                key.append(a)
+        return tensors, pointers
+
+    @staticmethod
     def ptr(x: Any) -> int:
         return x.data_ptr()
 
@@ -164,6 +186,24 @@ class CupyBackend:
         return (x.shape, x.strides, x.dtype.char, x.data.ptr % 16)
 
     @staticmethod
+    def layout(x: Any) -> tuple:
+        """An array's signature but its alignment, and its device."""
+        return (x.dtype.char, x.shape, x.strides, x.device.id)
+
+    def call_key(self, key: list, args: tuple) -> tuple[list, list[int]]:
+        """Append every argument to ``key``, an array as its :meth:`signature`; return the
+        arrays and their pointers (see :meth:`TorchBackend.call_key`)."""
+        arrays = []
+        array, signature = self.array_type, self.signature
+        for a in args:
+            if isinstance(a, array):
+                arrays.append(a)
+                key.append(signature(a))
+            else:
+                key.append(a)
+        return arrays, self.pointers(arrays)
+
+    @staticmethod
     def ptr(x: Any) -> int:
         return x.data.ptr
 
@@ -261,12 +301,16 @@ class CupyBackend:
 
 
 _backends: dict[str, Any] = {}
+_backend_of_type: dict[type, Any] = {}  # whether x is a torch tensor depends on its type alone
 
 
 def backend_of(x: Any) -> Any:
     """The backend for a torch tensor or a CuPy array (constructed once per process)."""
-    kind = "torch" if is_torch_tensor(x) else "cupy"
-    backend = _backends.get(kind)
+    backend = _backend_of_type.get(type(x))
     if backend is None:
-        backend = _backends[kind] = TorchBackend() if kind == "torch" else CupyBackend()
+        kind = "torch" if is_torch_tensor(x) else "cupy"
+        backend = _backends.get(kind)
+        if backend is None:
+            backend = _backends[kind] = TorchBackend() if kind == "torch" else CupyBackend()
+        _backend_of_type[type(x)] = backend
     return backend

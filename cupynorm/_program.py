@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -138,7 +139,7 @@ class _Recording:
             for launcher, grid, block, smem, template, slots in self.steps
         )
         outputs = tuple(None if o is None else place(o)[0] for o in outputs)
-        return _Program(tuple(allocations), steps, outputs, self.mutating)
+        return _Program(tuple(allocations), steps, outputs, self.mutating, n_inputs)
 
 
 class _RecordingBackend:
@@ -178,66 +179,218 @@ class _RecordingBackend:
         return getattr(self._bk, name)
 
 
+def _getter(indices: list[int]) -> Callable[[list], tuple]:
+    """``table -> tuple(table[i] for i in indices)``, in C (operator.itemgetter)."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    if indices:
+        return lambda table, i=indices[0]: (table[i],)
+    return lambda table: ()
+
+
 class _Program:
-    """A recorded call: allocate, then launch with the new pointers."""
+    """A recorded call: allocate, then launch with the new pointers.
 
-    __slots__ = ("allocations", "steps", "outputs", "mutating")
+    ``steps`` are the launches as recorded: (launcher, grid, block, smem, argument template,
+    pointer slots (argument, object, byte offset)). A replay builds one table per call -- the
+    objects' pointers (inputs, then allocations), the pointers at offsets into them (the
+    workspace's pieces), then every constant argument -- and gathers each launch's arguments
+    from it in C (operator.itemgetter), with no Python loop over arguments.
+    """
 
-    def __init__(self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool) -> None:
+    __slots__ = (
+        "allocations",
+        "steps",
+        "outputs",
+        "mutating",
+        "bound",
+        "_offsets",
+        "_constants",
+        "_go",
+    )
+
+    def __init__(
+        self, allocations: tuple, steps: tuple, outputs: tuple, mutating: bool, n_inputs: int
+    ) -> None:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
         self.mutating = mutating
+        self.bound: dict[Any, list[_Bound]] = {}  # calls bound to this one: call_bound
+        n_objects = n_inputs + len(allocations)
+        offsets: dict[tuple[int, int], int] = {}  # (object, byte offset) -> place after objects
+        for *_, slots in steps:
+            for _i, source, offset in slots:
+                if offset:
+                    offsets.setdefault((source, offset), n_objects + len(offsets))
+        self._offsets = tuple(offsets)
+        self._constants: list = []
+        go = []
+        for launcher, grid, block, smem, template, slots in steps:
+            pointer = {i: offsets[s, o] if o else s for i, s, o in slots}
+            indices = []
+            for i, value in enumerate(template):
+                if i not in pointer:
+                    pointer[i] = n_objects + len(offsets) + len(self._constants)
+                    self._constants.append(value)
+                indices.append(pointer[i])
+            go.append((launcher, grid, block, smem, _getter(indices)))
+        self._go = tuple(go)
 
-    def run(self, bk: Any, device: int, tensors: list) -> tuple:
+    def run(self, bk: Any, device: int, tensors: list, pointers: list | None = None) -> tuple:
+        """Allocate and launch for ``tensors`` (the call's tensor arguments, in order), whose
+        pointers the caller may pass (the call key reads them)."""
         objects = list(tensors)
+        append = objects.append
         for allocate, like in self.allocations:
-            objects.append(allocate() if like is None else allocate(objects[like]))
-        pointers = bk.pointers(objects)
+            append(allocate() if like is None else allocate(objects[like]))
+        if pointers is None:
+            table = bk.pointers(objects)
+        else:
+            table = [*pointers, *bk.pointers(objects[len(pointers) :])]
+        if self._offsets:
+            table += [table[source] + offset for source, offset in self._offsets]
+        table += self._constants
         stream = bk.stream(device)
-        with _compile.current_device(device):
-            for launcher, grid, block, smem, template, slots in self.steps:
-                args = list(template)
-                for i, source, offset in slots:
-                    args[i] = pointers[source] + offset
-                launcher.launch(grid, block, smem, stream, args)
-        return tuple(None if i is None else objects[i] for i in self.outputs)
+        previous = _compile.switch_device(device)
+        try:
+            for launcher, grid, block, smem, gather in self._go:
+                launcher.launch(grid, block, smem, stream, gather(table))
+        finally:
+            if previous is not None:
+                _compile.restore_device(previous)
+        return tuple([None if i is None else objects[i] for i in self.outputs])
+
+
+def _call_key(name: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, list, list[int]]:
+    """(backend, key, tensor arguments, their pointers) of a call of the op ``name``."""
+    bk = _interop.backend_of(args[0])
+    key = [name, bk.name, bk.device_id(args[0])]
+    if kwargs:
+        key += kwargs.items()
+    tensors, pointers = bk.call_key(key, args)
+    return bk, tuple(key), tensors, pointers
 
 
 def _programmed(op: Any) -> Any:
-    """Run ``op`` through the program cache (see above). Its first argument is a tensor."""
+    """Run ``op`` through the program cache (see above). Its first argument is a tensor.
+
+    The wrapper's ``with_program(*args, **kwargs)`` returns ``(outputs, program)``: the recorded
+    program that made them, or None (see :func:`call_bound`)."""
     name = op.__name__
 
     @functools.wraps(op)
     def run(*args: Any, **kwargs: Any) -> Any:
+        # _call_key inlined: this is every call's path
         bk = _interop.backend_of(args[0])
-        array_type, signature = bk.array_type, bk.signature
-        tensors = []
-        key = [name, bk.name, bk.device_id(args[0]), *kwargs.items()]
-        for a in args:
-            if isinstance(a, array_type):
-                tensors.append(a)
-                key.append(signature(a))
-            else:
-                key.append(a)
+        key = [name, bk.name, bk.device_id(args[0])]
+        if kwargs:
+            key += kwargs.items()
+        tensors, pointers = bk.call_key(key, args)
         key = tuple(key)
-        device = key[2]
         program = _PROGRAMS.get(key)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs)
         if program is not None:
-            return program.run(bk, device, tensors)
-        recording = _Recording(bk, tensors)
-        _active.recording = recording
-        try:
-            outputs = op(*args, **kwargs)
-        finally:
-            _active.recording = None
-        if len(_PROGRAMS) >= _PROGRAMS_MAX:
-            _PROGRAMS.clear()
-        program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
-        if check_replay is not None and program is not _UNRECORDABLE and not program.mutating:
-            replayed = program.run(bk, device, tensors)
-            check_replay(outputs, replayed)
-            return replayed
-        return outputs
+            return program.run(bk, key[2], tensors, pointers)
+        return _record(op, bk, key, tensors, args, kwargs)[0]
 
+    def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
+        bk = _interop.backend_of(args[0])  # _call_key inlined, as in run
+        key = [name, bk.name, bk.device_id(args[0])]
+        if kwargs:
+            key += kwargs.items()
+        tensors, pointers = bk.call_key(key, args)
+        key = tuple(key)
+        program = _PROGRAMS.get(key)
+        if program is _UNRECORDABLE or _active.recording is not None:
+            return op(*args, **kwargs), None
+        if program is not None:
+            return program.run(bk, key[2], tensors, pointers), program
+        return _record(op, bk, key, tensors, args, kwargs)
+
+    run.with_program = with_program
     return run
+
+
+def _record(
+    op: Any, bk: Any, key: tuple, tensors: list, args: tuple, kwargs: dict
+) -> tuple[Any, _Program | None]:
+    """The first call with a signature: the full path, recorded; (outputs, program or None)."""
+    recording = _Recording(bk, tensors)
+    _active.recording = recording
+    try:
+        outputs = op(*args, **kwargs)
+    finally:
+        _active.recording = None
+    if len(_PROGRAMS) >= _PROGRAMS_MAX:
+        _PROGRAMS.clear()
+    program = _PROGRAMS[key] = recording.program(outputs) or _UNRECORDABLE
+    if program is _UNRECORDABLE:
+        return outputs, None
+    if check_replay is not None and not program.mutating:
+        replayed = program.run(bk, key[2], tensors)
+        check_replay(outputs, replayed)
+        return replayed, program
+    return outputs, program
+
+
+# ---- bound calls -----------------------------------------------------------------------------
+# A training step calls the backward with the forward's tensors (x, weight, the statistics the
+# forward made) and one new one, dy: everything in the backward's key but dy's layout and the
+# alignments is fixed by the forward's program. A bound call keeps that key, made once per
+# forward program; a later backward checks dy's layout and the alignments (no signature of the
+# fixed tensors: ~5k instructions each, nor a key to build) and finds its program with it. The
+# caller vouches that the fixed tensors are the forward's own (the autograd layer checks their
+# identity), so that their layouts are those the forward program's key holds.
+class _Bound:
+    """The key of a call whose tensors but the first argument (dy) are fixed (see above), and
+    what a later call checks against it: dy's layout, the other arguments' values."""
+
+    __slots__ = ("bk", "key", "layout", "tensors", "others", "values")
+
+    def __init__(self, bk: Any, key: tuple | None, args: tuple) -> None:
+        self.bk, self.key = bk, key
+        self.layout = bk.layout(args[0])
+        tensor = [i for i, a in enumerate(args) if isinstance(a, bk.array_type)]
+        self.tensors = _getter(tensor)
+        self.others = _getter([i for i in range(len(args)) if i not in tensor])
+        self.values = self.others(args)
+
+    def run(self, op: Any, args: tuple) -> Any:
+        """``op(*args)`` for arguments with the bound values: replayed without a new key when
+        dy's layout and every alignment are the bound ones and the program is recorded, else
+        through ``op`` itself."""
+        bk = self.bk
+        if self.key is None or bk.layout(args[0]) != self.layout:
+            return op(*args)
+        program = _PROGRAMS.get(self.key)
+        if type(program) is not _Program or _active.recording is not None:
+            return op(*args)
+        tensors = list(self.tensors(args))
+        pointers = bk.pointers(tensors)
+        if functools.reduce(operator.or_, pointers) % 16:
+            return op(*args)
+        return program.run(bk, self.key[2], tensors, pointers)
+
+
+_BOUND_MAX = 16  # bound calls kept per op by one forward program (other argument values)
+
+
+def call_bound(forward: _Program, op: Any, args: tuple) -> Any:
+    """``op(*args)`` (a :func:`_programmed` op) as a call bound to the recorded call
+    ``forward``: all its tensors but the first (dy) are ``forward``'s own inputs or outputs
+    (the caller vouches for that, see above). A bound call is made on the first call with each
+    value of the other arguments and kept by ``forward``; it replays nothing when that call's
+    tensors were not all 16-byte aligned (each alignment is in the key: a bound call checks
+    them all at once, by one bitwise or)."""
+    bounds = forward.bound.get(op)
+    if bounds is None:
+        bounds = forward.bound[op] = []
+    for bound in bounds:  # usually one
+        if bound.others(args) == bound.values:
+            return bound.run(op, args)
+    bk, key, _tensors, pointers = _call_key(op.__name__, args, {})
+    aligned = not functools.reduce(operator.or_, pointers, 0) % 16
+    bound = _Bound(bk, key if aligned else None, args)
+    if len(bounds) < _BOUND_MAX:
+        bounds.append(bound)
+    return bound.run(op, args)

@@ -8,8 +8,6 @@ with which pointers, and what is never recorded.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -27,6 +25,18 @@ class _CpuTorchBackend(_interop.TorchBackend):
 
     def stream(self, device_id: int) -> int:
         return 0
+
+
+class _CurrentDevice:
+    """cupy.cuda.runtime's current-device calls on a machine with device 0 only."""
+
+    @staticmethod
+    def getDevice() -> int:
+        return 0
+
+    @staticmethod
+    def setDevice(device: int) -> None:
+        assert device == 0
 
 
 class _FakeLauncher:
@@ -50,7 +60,7 @@ def launches(monkeypatch):
     )
     monkeypatch.setattr(_compile, "max_block_threads", lambda *a: 1024)
     monkeypatch.setattr(_compile, "resident_ctas", lambda *a: 2)
-    monkeypatch.setattr(_compile, "current_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(_compile, "_runtime", lambda: _CurrentDevice)
     monkeypatch.setattr(_compile, "has_cooperative_launch", lambda: True)
     monkeypatch.setattr(_program, "check_replay", None)
     monkeypatch.setattr(_program, "_PROGRAMS", {})
@@ -352,3 +362,232 @@ def test_fused_group_norm_long_segments_take_the_strided_passes(launches) -> Non
         "strided_norm_finalize",
         "fused_norm_apply_rows_silu",
     ]
+
+
+# ---- a replay launches exactly what the full path launches ----------------------------------
+def _cl(*shape):
+    return torch.rand(shape).to(memory_format=torch.channels_last)
+
+
+def _recorded_calls():
+    """(op, arguments maker) of recorded calls across the families, with workspaces (partials
+    at offsets), constants of every type and pointers in every position."""
+    c = 16
+    w, b, rm, rv = torch.rand(c), torch.rand(c), torch.zeros(c), torch.ones(c)
+    stats = (torch.rand(c), torch.rand(c))
+    mask = (True, True, True)
+    return {
+        "bn-fwd-cl": (_ops.batch_norm_fwd, lambda: (_cl(4, c, 5, 7), w, b, rm, rv, True, 0.1,
+                                                    1e-5)),
+        "bn-fwd-nchw": (
+            _ops.batch_norm_fwd,
+            lambda: (torch.rand(4, c, 5, 7), w, b, rm, rv, True, 0.1, 1e-5),
+        ),
+        "bn-fwd-eval": (_ops.batch_norm_fwd, lambda: (_cl(4, c, 5, 7), w, b, rm, rv, False, 0.1,
+                                                      1e-5)),
+        "bn-bwd-cl": (
+            _ops.batch_norm_bwd,
+            lambda: (_cl(4, c, 5, 7), _cl(4, c, 5, 7), *stats, w, True, mask),
+        ),
+        "bn-act-bwd": (
+            _ops.batch_norm_act_bwd,
+            lambda: (_cl(4, c, 5, 7), _cl(4, c, 5, 7), *stats, w, True, (*mask, True),
+                     _cl(4, c, 5, 7), b, "relu"),
+        ),
+        "gn-fwd-team": (_ops.group_norm_fwd, lambda: (torch.rand(2, 4, 256, 256), 2, None, None,
+                                                      1e-5)),
+        "gn-bwd": (
+            _ops.group_norm_bwd,
+            lambda: (torch.rand(2, 8, 5, 8), torch.rand(2, 8, 5, 8), torch.rand(2, 2),
+                     torch.rand(2, 2), torch.rand(8), 2, mask),
+        ),
+        "row-fwd": (
+            _ops.row_norm_fwd,
+            lambda: (torch.rand(6, 64), None, torch.rand(64), torch.rand(64), 64, 1e-5, False),
+        ),
+        "row-bwd": (
+            _ops.row_norm_bwd,
+            lambda: (torch.rand(6, 64), None, torch.rand(6, 64), torch.rand(6), torch.rand(6),
+                     torch.rand(64), 64, mask),
+        ),
+    }  # fmt: skip
+
+
+def _symbolic(log: list, tensors: list, outputs: tuple) -> list:
+    """The launches with every pointer named after what it points at: the call's tensors by
+    position, then its outputs, any other (scratch) by order of first use."""
+    names = {t.data_ptr(): f"out{j}" for j, t in enumerate(outputs) if t is not None}
+    names.update({t.data_ptr(): f"in{i}" for i, t in enumerate(tensors)})
+    scratch: dict[int, str] = {}
+    rows = []
+    for kernel, grid, block, smem, values, codes in log:
+        row = [
+            (names.get(v) or scratch.setdefault(v, f"scratch{len(scratch)}"))
+            if code == "Q" and v
+            else v
+            for v, code in zip(values, codes, strict=True)
+        ]
+        rows.append((kernel, grid, block, smem, row))
+    return rows
+
+
+@pytest.mark.parametrize("case", list(_recorded_calls()))
+def test_replay_launches_what_the_full_path_launches(launches, monkeypatch, case) -> None:
+    log: list = []
+
+    class Logged:
+        def __init__(self, kernel: str, codes: str) -> None:
+            self.kernel, self.codes = kernel, codes
+
+        def launch(self, grid, block, smem, stream, args) -> None:
+            values = [a.item() if hasattr(a, "item") else a for a in args]
+            log.append((self.kernel, grid, tuple(block), smem, values, self.codes))
+
+    monkeypatch.setattr(_compile, "launcher", lambda dev, src, k, *rest: Logged(k, rest[-1]))
+    op, make = _recorded_calls()[case]
+    op(*make())  # recorded
+    (program,) = _program._PROGRAMS.values()
+    assert isinstance(program, _program._Program)
+    args = make()
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    log.clear()
+    replayed = op(*args)
+    replay = _symbolic(log, tensors, replayed)
+    _program._PROGRAMS.clear()
+    log.clear()
+    full = op(*args)  # the full path on the same arguments
+    assert replay == _symbolic(log, tensors, full)
+    assert [None if t is None else (t.shape, t.stride(), t.dtype) for t in replayed] == [
+        None if t is None else (t.shape, t.stride(), t.dtype) for t in full
+    ]
+
+
+# ---- the backward bound at forward time (eager autograd.Functions) ---------------------------
+@pytest.fixture
+def eager(launches, monkeypatch):
+    """The modules' eager path on the CUDA host code (CPU tensors, the launch log), and a count
+    of the call keys built (the backward bound to its forward builds none)."""
+    from cupynorm.torch import _autograd, _kernels, functional
+
+    monkeypatch.setattr(functional, "_use_kernels", lambda x: True)
+    monkeypatch.setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
+    monkeypatch.setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
+    monkeypatch.setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
+    keys: list = []
+    call_key = _interop.TorchBackend.call_key
+
+    def counting(self, key, args):
+        keys.append(key[0])
+        return call_key(self, key, args)
+
+    monkeypatch.setattr(_interop.TorchBackend, "call_key", counting)
+    return launches, keys
+
+
+def _step(module, x, dy, *residual):
+    x = x.detach().requires_grad_()
+    y = module(x, *residual)
+    y.backward(dy)
+    return y
+
+
+@pytest.mark.parametrize("act", [False, True], ids=["bn", "bn-act"])
+def test_backward_bound_at_forward_builds_no_key_and_launches_the_same(eager, act) -> None:
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNormAct2d(16) if act else cnt.BatchNorm2d(16)
+    shape = (4, 16, 5, 7)
+    residual = (_cl(*shape),) if act else ()
+    _step(module, _cl(*shape), _cl(*shape), *residual)  # both directions recorded
+    _step(module, _cl(*shape), _cl(*shape), *residual)  # the backward binds (first time)
+    keys.clear()
+    log.clear()
+    x, dy = _cl(*shape), _cl(*shape)
+    y = _step(module, x, dy, *residual)
+    forward_name = "batch_norm_fwd"
+    assert keys == [forward_name]  # the backward built no key
+    assert y.grad_fn.bound is None  # the forward's references are dropped by the backward
+    bound = log[-3:]
+    # the same backward through the full path (no recorded programs)
+    _program._PROGRAMS.clear()
+    log.clear()
+    _step(module, x, dy, *residual)
+    full = log[-3:]
+    assert [(k, g, b, s) for k, g, b, s, _ in bound] == [(k, g, b, s) for k, g, b, s, _ in full]
+    backward = "batch_norm_act_bwd" if act else "batch_norm_bwd"
+    assert any(key[0] == backward for key in _program._PROGRAMS)
+
+
+def test_bound_backward_takes_the_full_path_when_dy_is_laid_out_otherwise(eager) -> None:
+    """dy with other strides (a size-1 dimension's stride: still channels_last for torch) or
+    another alignment than the bound call's: its own key, its own program."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNorm2d(8)
+    shape = (2, 8, 1, 5)
+    for _ in range(3):
+        _step(module, _cl(*shape), _cl(*shape))
+    programs = len(_program._PROGRAMS)
+    strided = torch.rand(80).as_strided((2, 8, 1, 5), (40, 1, 1, 8))  # H's stride 1, not 40
+    assert strided.is_contiguous(memory_format=torch.channels_last)
+    assert strided.stride() != _cl(*shape).stride()
+    keys.clear()
+    _step(module, _cl(*shape), strided)
+    assert keys == ["batch_norm_fwd", "batch_norm_bwd"]  # the backward's own key
+    assert len(_program._PROGRAMS) == programs + 1  # recorded for dy's layout
+    offset = torch.rand(2 * 8 * 5 + 1)[1:].view(2, 5, 1, 8).permute(0, 3, 2, 1)  # 4-byte aligned
+    assert offset.is_contiguous(memory_format=torch.channels_last) and offset.data_ptr() % 16
+    keys.clear()
+    _step(module, _cl(*shape), offset)
+    assert keys == ["batch_norm_fwd", "batch_norm_bwd"]
+    keys.clear()
+    _step(module, _cl(*shape), _cl(*shape))  # the bound call again
+    assert keys == ["batch_norm_fwd"]
+
+
+def test_bound_backward_does_not_outlive_a_cleared_cache(eager) -> None:
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNorm2d(8)
+    for _ in range(3):
+        _step(module, _cl(2, 8, 3, 5), _cl(2, 8, 3, 5))
+    x = _cl(2, 8, 3, 5).requires_grad_()
+    y = module(x)
+    _program._PROGRAMS.clear()  # e.g. _single.enable(): recorded paths are forgotten
+    keys.clear()
+    y.backward(_cl(2, 8, 3, 5))
+    assert keys == ["batch_norm_bwd"]  # the bound call's program is gone: the full path
+    assert any(key[0] == "batch_norm_bwd" for key in _program._PROGRAMS)
+
+
+def test_saved_tensor_hooks_unbind_the_backward(eager) -> None:
+    """Saved-tensor hooks hand the backward other tensors (here contiguous copies, as
+    save_on_cpu does): the backward takes its own key. Under hooks active at the forward the
+    forward keeps no references (the hooks are there to let the tensors go)."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNorm2d(8)
+    shape = (2, 8, 3, 5)
+    for _ in range(3):
+        _step(module, _cl(*shape), _cl(*shape))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous(), lambda t: t):
+        x = _cl(*shape).requires_grad_()
+        y = module(x)
+    assert y.grad_fn.bound is None
+    keys.clear()
+    y.backward(_cl(*shape))
+    assert keys == ["batch_norm_bwd"]
+    # a hook on the saved tensors registered after the forward (kept references, other tensors)
+    x = _cl(*shape).requires_grad_()
+    y = module(x)
+    assert y.grad_fn.bound is not None
+    for saved in y.grad_fn._raw_saved_tensors:
+        saved.register_hooks(lambda t: t.clone(), lambda t: t)
+    keys.clear()
+    log.clear()
+    y.backward(_cl(*shape))
+    assert keys == ["batch_norm_bwd"]

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 from ._kernels import (
     _batch_norm_act_bwd,
     _batch_norm_bwd,
-    _batch_norm_fwd,
+    _batch_norm_fwd_program,
     _channel_norm_bwd,
     _channel_norm_fwd,
     _group_norm_act_bwd,
@@ -63,22 +63,24 @@ def _instance_norm_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _batch_norm_setup(ctx, inputs, output) -> None:
+def _batch_norm_setup(ctx, inputs, output) -> tuple:
     # output: (y, save_mean, save_rstd) from the eager Function, plus the new running stats
-    # (or None) from the op
+    # (or None) from the op; returns the saved tensors
     x, weight, training = inputs[0], inputs[1], inputs[5]
-    ctx.save_for_backward(x, weight, output[1], output[2])
+    saved = (x, weight, output[1], output[2])
+    ctx.save_for_backward(*saved)
     ctx.training = training
     ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
     ctx.set_materialize_grads(False)
+    return saved
 
 
-def _batch_norm_act_setup(ctx, inputs, output) -> None:
+def _batch_norm_act_setup(ctx, inputs, output) -> tuple:
     # inputs: batch norm's, then residual and act; the activation's gradient recomputes its
     # input from x, the statistics, weight, bias and the residual (no output is kept)
     x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
     needs_t = act != "identity"
-    ctx.save_for_backward(
+    saved = (
         x,
         weight,
         output[1],
@@ -86,9 +88,28 @@ def _batch_norm_act_setup(ctx, inputs, output) -> None:
         residual if needs_t else None,
         bias if needs_t else None,
     )
+    ctx.save_for_backward(*saved)
     ctx.training, ctx.act = training, act
     ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
     ctx.set_materialize_grads(False)
+    return saved
+
+
+# ---- the backward bound at forward time (eager Functions) ------------------------------------
+# Everything in the backward's recorded-call key but dy is fixed by the forward: its input,
+# weight and statistics are the tensors the backward gets (cupynorm._program.call_bound). The
+# forward keeps its program and the tensors it saved; the backward binds when ctx.saved_tensors
+# gives back those very objects (a saved-tensor hook gives others: then the full key), and drops
+# them. The references are those the saved tensors hold anyway; none are kept while saved-tensor
+# hooks are active (a checkpoint, offloading: the hooks exist to let the tensors go).
+_default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _keep_forward(ctx, program, saved: tuple) -> None:
+    """Keep the forward's recorded program and saved tensors for the backward, if any (the
+    eager backwards: :func:`_batch_norm_backward_eager`)."""
+    hooks = _default_hooks is None or _default_hooks(False) is not None
+    ctx.bound = None if program is None or hooks else (program, *saved)
 
 
 def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
@@ -206,6 +227,46 @@ def _make_batch_norm_act_backward(bwd):
     return backward
 
 
+def _batch_norm_backward_eager(ctx, dy, *_stat_grads):
+    """:func:`_make_batch_norm_backward`'s backward on the kernel, bound to the forward's
+    program when the saved tensors are the forward's own (:func:`_keep_forward`)."""
+    kept, ctx.bound = ctx.bound, None  # a second backward (retain_graph): the full path
+    if dy is None:
+        return (None,) * 8
+    x, weight, save_mean, save_rstd = ctx.saved_tensors
+    forward = None
+    if kept is not None and kept[1] is x and kept[2] is weight:
+        forward = kept[0] if kept[3] is save_mean and kept[4] is save_rstd else None
+    needs = ctx.needs_input_grad
+    mask = [needs[0], needs[1], needs[2]]
+    # fmt: off
+    dx, dweight, dbias = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
+                                         forward)
+    # fmt: on
+    return dx, dweight, dbias, None, None, None, None, None
+
+
+def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
+    """:func:`_make_batch_norm_act_backward`'s backward on the kernel, bound as in
+    :func:`_batch_norm_backward_eager`."""
+    kept, ctx.bound = ctx.bound, None
+    if dy is None:
+        return (None,) * 10
+    x, weight, save_mean, save_rstd, residual, bias = ctx.saved_tensors
+    forward = None
+    if kept is not None and kept[1] is x and kept[2] is weight and kept[3] is save_mean:
+        same = kept[4] is save_rstd and kept[5] is residual and kept[6] is bias
+        forward = kept[0] if same else None
+    needs = ctx.needs_input_grad
+    mask = [needs[0], needs[1], needs[2], needs[8]]
+    # fmt: off
+    dx, dweight, dbias, dres = _batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight,
+                                                   ctx.training, mask, residual, bias, ctx.act,
+                                                   forward)
+    # fmt: on
+    return dx, dweight, dbias, None, None, None, None, None, dres, None
+
+
 def _make_row_norm_add_mul_backward(bwd):
     def backward(ctx, dout, _dmean, _drstd):
         if dout is None:
@@ -248,11 +309,11 @@ class _BatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
         inputs = (x, weight, bias, running_mean, running_var, training, momentum, eps)
-        output = _batch_norm_fwd(*inputs)
-        _batch_norm_setup(ctx, inputs, output)
+        output, program = _batch_norm_fwd_program(*inputs)
+        _keep_forward(ctx, program, _batch_norm_setup(ctx, inputs, output))
         return output
 
-    backward = staticmethod(once_differentiable(_make_batch_norm_backward(_batch_norm_bwd)))
+    backward = staticmethod(once_differentiable(_batch_norm_backward_eager))
 
 
 class _BatchNormActFunction(torch.autograd.Function):
@@ -271,11 +332,11 @@ class _BatchNormActFunction(torch.autograd.Function):
             residual,
             act,
         )
-        output = _batch_norm_fwd(*inputs)
-        _batch_norm_act_setup(ctx, inputs, output)
+        output, program = _batch_norm_fwd_program(*inputs)
+        _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output))
         return output
 
-    backward = staticmethod(once_differentiable(_make_batch_norm_act_backward(_batch_norm_act_bwd)))
+    backward = staticmethod(once_differentiable(_batch_norm_act_backward_eager))
 
 
 class _RowNormAddMulFunction(torch.autograd.Function):

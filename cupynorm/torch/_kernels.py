@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from cupynorm import _program  # no CuPy: the recorded calls' bookkeeping
+
 from ._reference import (
     _batch_norm_act_bwd_reference,
     _batch_norm_bwd_reference,
@@ -55,6 +57,12 @@ def _dense(x: Tensor) -> tuple[Tensor, torch.memory_format]:
 def _vec(t: Tensor | None) -> Tensor | None:
     """A per-channel vector the kernels can index directly (they take raw pointers)."""
     return t if t is None or t.is_contiguous() else t.contiguous()
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``; a tensor already of that dtype as it is, without the call (``.to`` with
+    nothing to do costs ~1 us of argument parsing; the kernels usually wrote the right dtype)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _write_back(running: Tensor | None, updated: Tensor | None) -> None:
@@ -128,8 +136,8 @@ def _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask):
     """Give the host code's gradients exactly the layout and dtypes the fake kernels promise."""
     pdtype = _param_dtype(x, weight)
     dx = dx.contiguous(memory_format=fmt) if output_mask[0] else None
-    dweight = dweight.to(pdtype) if output_mask[1] else None
-    dbias = dbias.to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight, pdtype) if output_mask[1] else None
+    dbias = _cast(dbias, pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
@@ -270,6 +278,32 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
+def _batch_norm_fwd_cuda_program(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training,
+    momentum,
+    eps,
+    residual=None,
+    act="identity",
+):
+    """(y, save_mean, save_rstd) of batch norm (with ``residual`` / ``act`` the fused op
+    y = act(norm(x) + residual)), and the recorded program that made them or None."""
+    x, fmt = _dense(x)
+    mean, var = _vec(running_mean), _vec(running_var)
+    # fmt: off
+    (y, save_mean, save_rstd), program = _host().batch_norm_fwd.with_program(
+        x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act)
+    # fmt: on
+    if training:
+        _write_back(running_mean, mean)
+        _write_back(running_var, var)
+    return (y.contiguous(memory_format=fmt), save_mean, save_rstd), program
+
+
 def _batch_norm_fwd_cuda(
     x,
     weight,
@@ -295,12 +329,14 @@ def _batch_norm_fwd_cuda(
     return y.contiguous(memory_format=fmt), save_mean, save_rstd
 
 
-def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask):
+def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask, forward=None):
+    """``forward``: the forward's recorded program, when every tensor but dy is the forward's
+    own (the eager autograd.Function: _autograd._keep_forward)."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
-    dx, dweight, dbias = _host().batch_norm_bwd(
-        dy, x, save_mean, save_rstd, _vec(weight), training, tuple(output_mask)
-    )
+    args = (dy, x, save_mean, save_rstd, _vec(weight), training, tuple(output_mask))
+    op = _host().batch_norm_bwd
+    dx, dweight, dbias = op(*args) if forward is None else _program.call_bound(forward, op, args)
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
 
 
@@ -315,26 +351,37 @@ def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, moment
     )
 
 
+def _batch_norm_fwd_program(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                            *epi):  # fmt: skip
+    """:func:`_batch_norm_fwd` and the recorded program that made its outputs, or None."""
+    args = (x, weight, bias, running_mean, running_var, training, momentum, eps, *epi)
+    if x.is_cuda:
+        return _batch_norm_fwd_cuda_program(*args)
+    return _batch_norm_fwd_reference(*args), None
+
+
 def _batch_norm_act_bwd_cuda(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
 ):
-    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order."""
+    """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order; ``forward``
+    as for :func:`_batch_norm_bwd_cuda`."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
-    dx, dweight, dbias, dres = _host().batch_norm_act_bwd(
-        dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act
-    )
+    args = (dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act)
+    op = _host().batch_norm_act_bwd
+    grads = op(*args) if forward is None else _program.call_bound(forward, op, args)
+    dx, dweight, dbias, dres = grads
     dx, dweight, dbias = _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask[:3])
     return dx, dweight, dbias, dres
 
 
 def _batch_norm_act_bwd(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
 ):
     args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
     if x.is_cuda:
-        return _batch_norm_act_bwd_cuda(*args)
+        return _batch_norm_act_bwd_cuda(*args, forward)
     return _batch_norm_act_bwd_reference(*args)
 
 
@@ -361,10 +408,11 @@ def _batch_norm_act_bwd_fake(
     )
 
 
-def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask):
+def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask, forward=None):
+    args = (dy, x, save_mean, save_rstd, weight, training, output_mask)
     if x.is_cuda:
-        return _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_mask)
-    return _batch_norm_bwd_reference(dy, x, save_mean, save_rstd, weight, training, output_mask)
+        return _batch_norm_bwd_cuda(*args, forward)
+    return _batch_norm_bwd_reference(*args)
 
 
 def _batch_norm_fwd_op_kernel(fwd):
@@ -486,8 +534,8 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=
     )
     pdtype = _param_dtype(x, weight)
     dx = dx.reshape(x.shape) if output_mask[0] else None
-    dweight = dweight.reshape(row).to(pdtype) if output_mask[1] else None
-    dbias = dbias.reshape(row).to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight.reshape(row), pdtype) if output_mask[1] else None
+    dbias = _cast(dbias.reshape(row), pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
@@ -549,8 +597,8 @@ def _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask):
     )
     pdtype = _param_dtype(x, weight)
     dx = dx if output_mask[0] else None
-    dweight = dweight.to(pdtype) if output_mask[1] else None
-    dbias = dbias.to(pdtype) if output_mask[2] else None
+    dweight = _cast(dweight, pdtype) if output_mask[1] else None
+    dbias = _cast(dbias, pdtype) if output_mask[2] else None
     return dx, dweight, dbias
 
 
