@@ -69,6 +69,30 @@ __device__ __forceinline__ void load_row(Pack<VEC> (&v)[PACKS], const scalar_t* 
     }
 }
 
+// One pack p of a row's backward, both families: the pack's dweight / dbias terms added to dw,
+// db, and dx (plus the incoming gradient of the sum when dsum is set) stored when dx is set.
+// g: weight * dy of the pack; mean_g, mean_gx: <g>, <g xhat> over the row.
+template <int V, bool CAST>
+__device__ __forceinline__ void row_bwd_pack(const Pack<V>& xv, const Pack<V>& dv,
+                                             const acc_t (&g)[V], acc_t m, acc_t rs,
+                                             acc_t mean_g, acc_t mean_gx,
+                                             const scalar_t* __restrict__ dsum,
+                                             scalar_t* __restrict__ dx, int64 base, int p,
+                                             acc_t (&dw)[V], acc_t (&db)[V]) {
+    Pack<V> sv, out;
+    if (dsum != nullptr) sv = load_pack<V>(dsum + base, p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const acc_t xhat = (to_acc(xv.v[j]) - m) * rs, d = to_acc(dv.v[j]);
+        dw[j] += d * (CAST ? to_acc(from_acc<scalar_t>(xhat)) : xhat);
+        db[j] += d;
+        acc_t v = rs * (g[j] - mean_g - xhat * mean_gx);
+        if (dsum != nullptr) v += to_acc(sv.v[j]);
+        out.v[j] = from_acc<scalar_t>(v);
+    }
+    if (dx != nullptr) store_pack<V>(dx + base, p, out);
+}
+
 // ---- backward ----------------------------------------------------------------------------------
 // x: the normalized rows (the sum s with a residual); mean null: RMSNorm; dsum: the incoming
 // gradient of s, added to dx, or null. dx null: weight gradients only. dweight_part /
@@ -121,18 +145,8 @@ __device__ __forceinline__ void row_bwd(
         for (int k = 0; k < PACKS; ++k) {
             const int p = threadIdx.x + k * blockDim.x;
             if (p >= packs) continue;
-            Pack<V> sv, out;
-            if (dsum != nullptr) sv = load_pack<V>(dsum + base, p);
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const acc_t xhat = (to_acc(xc[k].v[j]) - m) * rs, d = to_acc(dc[k].v[j]);
-                dw[k][j] += d * (CAST ? to_acc(from_acc<scalar_t>(xhat)) : xhat);
-                db[k][j] += d;
-                acc_t v = rs * (g[k][j] - mean_g - xhat * mean_gx);
-                if (dsum != nullptr) v += to_acc(sv.v[j]);
-                out.v[j] = from_acc<scalar_t>(v);
-            }
-            if (dx != nullptr) store_pack<V>(dx + base, p, out);
+            row_bwd_pack<V, CAST>(xc[k], dc[k], g[k], m, rs, mean_g, mean_gx, dsum, dx, base, p,
+                                  dw[k], db[k]);
         }
 #pragma unroll
         for (int k = 0; k < PACKS; ++k) {
@@ -357,20 +371,12 @@ __device__ __forceinline__ void row_bwd_short(
         for (int k = 0; k < SHORT_PACKS; ++k) {
             const int p = lane + k * LANES;
             if (p >= packs) continue;
-            acc_t w[V];
-            load_row_params<V>(weight, p * V, acc_t(1), w);
-            Pack<V> sv, out;
-            if (dsum != nullptr) sv = load_pack<V>(dsum + base, p);
+            acc_t g[V];  // recomputed: keeping it beside the dweight / dbias sums costs registers
+            load_row_params<V>(weight, p * V, acc_t(1), g);
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const acc_t xhat = (to_acc(xc[k].v[j]) - m) * rs, d = to_acc(dc[k].v[j]);
-                dw[k][j] += d * (CAST ? to_acc(from_acc<scalar_t>(xhat)) : xhat);
-                db[k][j] += d;
-                acc_t o = rs * (w[j] * d - mean_g - xhat * mean_gx);
-                if (dsum != nullptr) o += to_acc(sv.v[j]);
-                out.v[j] = from_acc<scalar_t>(o);
-            }
-            if (dx != nullptr) store_pack<V>(dx + base, p, out);
+            for (int j = 0; j < V; ++j) g[j] *= to_acc(dc[k].v[j]);
+            row_bwd_pack<V, CAST>(xc[k], dc[k], g, m, rs, mean_g, mean_gx, dsum, dx, base, p,
+                                  dw[k], db[k]);
         }
     }
     if (dweight_part == nullptr && dbias_part == nullptr) return;
@@ -409,7 +415,7 @@ __device__ __forceinline__ void row_bwd_short(
     }
 }
 
-// Two CTAs per SM (128 registers, a 16-byte spill for bf16): one, as the compiler chose (151
+// Two CTAs per SM (128 registers, a 16-24 byte spill for bf16): one, as the compiler chose (151
 // registers), left too few loads in flight (rows of 96 bf16, forward + backward 0.510 -> 0.419 ms).
 #define ROW_BWD_SHORT_ENTRY(NAME, LANES, CAST)                                                 \
     extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 2) NAME(                      \

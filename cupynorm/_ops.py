@@ -581,31 +581,24 @@ def row_norm_bwd(
                 bk.fill_zero(grad)
         return dx, dweight, dbias
     aligned = call.aligned(x, dy, dsum, dx)
+    # one pass over rows held in registers (row_norm.cu): a group of lanes per short row, else
+    # a CTA per row; (kernel, threads, rows to cover) or None
+    one_pass = None
+    cast_ = "cast_" if cast else ""
     short = _plan.plan_short_rows(D, call.itemsize, aligned)
-    if short is not None:  # a group of lanes per row, one pass (row_norm.cu)
-        kernel = f"row_norm_bwd_short_{'cast_' if cast else ''}{short.lanes}"
-        threads = _plan.SHORT_ROW_THREADS
-        grid = _resident_grid(call, _ROWS, kernel, threads, -(-rows // short.rows_per_cta))
+    regs = _plan.plan_row_bwd(D, call.itemsize, aligned) if short is None else None
+    if short is not None:
+        work = -(-rows // short.rows_per_cta)
+        one_pass = f"row_norm_bwd_short_{cast_}{short.lanes}", _plan.SHORT_ROW_THREADS, work
+    elif regs is not None:
+        one_pass = f"row_norm_bwd_{cast_}{regs.packs}", regs.threads, rows
+    if one_pass is not None:
+        kernel, threads, work = one_pass
+        grid = _resident_grid(call, _ROWS, kernel, threads, work)
         dweight_part = call.stats((grid * D,), x) if want_dw else None
         dbias_part = call.stats((grid * D,), x) if want_db else None
         # fmt: off
         call.launch(_ROWS, kernel, grid, (threads,), (
-            call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
-            call.ptr(rstd), call.ptr(dx), call.ptr(dweight_part), call.ptr(dbias_part),
-            np.int64(rows), np.int32(D)))
-        # fmt: on
-        if want_dw or want_db:
-            as_param = weight is not None
-            _weight_grads(call, dweight_part, dbias_part, dweight, dbias, grid, D, as_param)
-        return dx, dweight, dbias
-    regs = _plan.plan_row_bwd(D, call.itemsize, aligned)
-    if regs is not None:  # rows held in registers, one pass (row_norm.cu)
-        kernel = f"row_norm_bwd_{'cast_' if cast else ''}{regs.packs}"
-        grid = _resident_grid(call, _ROWS, kernel, regs.threads, rows)
-        dweight_part = call.stats((grid * D,), x) if want_dw else None
-        dbias_part = call.stats((grid * D,), x) if want_db else None
-        # fmt: off
-        call.launch(_ROWS, kernel, grid, (regs.threads,), (
             call.ptr(x), call.ptr(dy), call.ptr(dsum), call.ptr(weight), call.ptr(mean),
             call.ptr(rstd), call.ptr(dx), call.ptr(dweight_part), call.ptr(dbias_part),
             np.int64(rows), np.int32(D)))

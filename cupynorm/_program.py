@@ -277,35 +277,18 @@ def _programmed(op: Any) -> Any:
     program that made them, or None (see :func:`call_bound`)."""
     name = op.__name__
 
-    @functools.wraps(op)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        # _call_key inlined: this is every call's path
-        bk = _interop.backend_of(args[0])
-        key = [name, bk.name, bk.device_id(args[0])]
-        if kwargs:
-            key += kwargs.items()
-        tensors, pointers = bk.call_key(key, args)
-        key = tuple(key)
-        program = _PROGRAMS.get(key)
-        if program is _UNRECORDABLE or _active.recording is not None:
-            return op(*args, **kwargs)
-        if program is not None:
-            return program.run(bk, key[2], tensors, pointers)
-        return _record(op, bk, key, tensors, args, kwargs)[0]
-
     def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
-        bk = _interop.backend_of(args[0])  # _call_key inlined, as in run
-        key = [name, bk.name, bk.device_id(args[0])]
-        if kwargs:
-            key += kwargs.items()
-        tensors, pointers = bk.call_key(key, args)
-        key = tuple(key)
+        bk, key, tensors, pointers = _call_key(name, args, kwargs)
         program = _PROGRAMS.get(key)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs), None
         if program is not None:
             return program.run(bk, key[2], tensors, pointers), program
         return _record(op, bk, key, tensors, args, kwargs)
+
+    @functools.wraps(op)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return with_program(*args, **kwargs)[0]
 
     run.with_program = with_program
     return run

@@ -278,6 +278,19 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
+def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, training, momentum, eps,
+                         residual, act):  # fmt: skip
+    """``op`` (the host's batch_norm_fwd or its with_program) on x made dense, with the running
+    statistics written back; (op's result, x's memory format)."""
+    x, fmt = _dense(x)
+    mean, var = _vec(running_mean), _vec(running_var)
+    result = op(x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act)
+    if training:
+        _write_back(running_mean, mean)
+        _write_back(running_var, var)
+    return result, fmt
+
+
 def _batch_norm_fwd_cuda_program(
     x,
     weight,
@@ -292,15 +305,11 @@ def _batch_norm_fwd_cuda_program(
 ):
     """(y, save_mean, save_rstd) of batch norm (with ``residual`` / ``act`` the fused op
     y = act(norm(x) + residual)), and the recorded program that made them or None."""
-    x, fmt = _dense(x)
-    mean, var = _vec(running_mean), _vec(running_var)
     # fmt: off
-    (y, save_mean, save_rstd), program = _host().batch_norm_fwd.with_program(
-        x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act)
+    ((y, save_mean, save_rstd), program), fmt = _batch_norm_fwd_host(
+        _host().batch_norm_fwd.with_program, x, weight, bias, running_mean, running_var, training,
+        momentum, eps, residual, act)
     # fmt: on
-    if training:
-        _write_back(running_mean, mean)
-        _write_back(running_var, var)
     return (y.contiguous(memory_format=fmt), save_mean, save_rstd), program
 
 
@@ -317,15 +326,11 @@ def _batch_norm_fwd_cuda(
     act="identity",
 ):
     """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual)."""
-    x, fmt = _dense(x)
-    mean, var = _vec(running_mean), _vec(running_var)
     # fmt: off
-    y, save_mean, save_rstd = _host().batch_norm_fwd(x, _vec(weight), _vec(bias), mean, var,
-                                                     training, momentum, eps, residual, act)
+    (y, save_mean, save_rstd), fmt = _batch_norm_fwd_host(
+        _host().batch_norm_fwd, x, weight, bias, running_mean, running_var, training, momentum,
+        eps, residual, act)
     # fmt: on
-    if training:
-        _write_back(running_mean, mean)
-        _write_back(running_var, var)
     return y.contiguous(memory_format=fmt), save_mean, save_rstd
 
 
