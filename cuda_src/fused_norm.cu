@@ -35,7 +35,7 @@
 #define FUSED_SUMS_EPILOGUE_PARAMS                                                              \
     const scalar_t *__restrict__ z, scalar_t *__restrict__ dt,                                 \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                 \
-        const acc_t *__restrict__ rstd
+        const acc_t *__restrict__ rstd, const scalar_t *__restrict__ addend
 
 #define FUSED_SUMS(ACT_NAME, ACT)                                                               \
     extern "C" __global__ void fused_norm_bwd_sums_rows_##ACT_NAME(                             \
@@ -47,11 +47,11 @@
         if (vectorized)                                                                        \
             bwd_sums_rows<VEC, ACT>(x, dy, mean, partials, C, S, sample_stride, chan_stride,   \
                                     groups, chans_per_group, tiles_per_plane, tile_len, ep,    \
-                                    weight, bias, rstd);                                       \
+                                    weight, bias, rstd, addend);                               \
         else                                                                                   \
             bwd_sums_rows<1, ACT>(x, dy, mean, partials, C, S, sample_stride, chan_stride,     \
                                   groups, chans_per_group, tiles_per_plane, tile_len, ep,      \
-                                  weight, bias, rstd);                                         \
+                                  weight, bias, rstd, addend);                                 \
     }                                                                                          \
     extern "C" __global__ void fused_norm_bwd_sums_cols_##ACT_NAME(                             \
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                        \
@@ -62,11 +62,11 @@
         if (vectorized)                                                                        \
             bwd_sums_cols<VEC, ACT>(x, dy, mean, partials, R, C, row_stride, sample_stride,    \
                                     groups, chans_per_group, ctas_per_n, ep, weight, bias,     \
-                                    rstd);                                                     \
+                                    rstd, addend);                                             \
         else                                                                                   \
             bwd_sums_cols<1, ACT>(x, dy, mean, partials, R, C, row_stride, sample_stride,      \
                                   groups, chans_per_group, ctas_per_n, ep, weight, bias,       \
-                                  rstd);                                                       \
+                                  rstd, addend);                                               \
     }
 
 // The dx pass without a residual (bias: the forward's, for t; z unused).

@@ -19,6 +19,10 @@
 //     y_i = round(weight[i] * round(x_i * rstd)), two roundings in half precision.
 //   AFFINE_SILU epilogue (GroupNorm + SiLU, the diffusion ResNet block): y_i = silu(t_i) with t_i
 //     the AFFINE value in float32, silu(t) = t * sigmoid(t) (common.cuh), one rounding, of y.
+//   SHIFTED (AFFINE and AFFINE_SILU, the _shift entries): the segment normalized is
+//     s_i = x_i + addend[n, c] (addend (N, C), the diffusion block's time embedding), formed in
+//     acc_t and never stored: in the statistics per element, in the write as part of the bias,
+//     (s - mean) * a + b = (x - mean) * a + (b + addend * a).
 //
 // Mapping: the segment is split into `team` slices of slice_len elements, one CTA each. Each CTA
 // copies its slice into shared memory with cp.async and computes the slice's exact two-pass
@@ -92,27 +96,67 @@ __device__ __forceinline__ void slice_load_wait() {
 // with all their digits and data of mean 1e4 keeps the variance to ~1e-7 (benchmarks/NOTES.md).
 // STAT_RMS keeps no mean: (n, 0, sum x^2), which the team's Chan merge adds up unchanged (the
 // means it shifts by are all 0); shift is 0 then.
-template <int V, int STAT>
+// The addends of the V elements at position pos of a segment whose channels are chan_len long
+// (addend: the segment's first channel's): one load when the pack lies in one channel, one per
+// element when it straddles two.
+template <int V>
+__device__ __forceinline__ void pack_addends(const scalar_t* __restrict__ addend, int pos,
+                                             int chan_len, acc_t (&a)[V]) {
+    int c = pos / chan_len, within = pos - c * chan_len;
+    if (within + V <= chan_len) {
+        const acc_t same = to_acc(addend[c]);
+#pragma unroll
+        for (int j = 0; j < V; ++j) a[j] = same;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        if (within == chan_len) {
+            ++c;
+            within = 0;
+        }
+        ++within;
+        a[j] = to_acc(addend[c]);
+    }
+}
+
+// The slice's V values of pack p relative to shift, with their addends when SHIFTED.
+template <int V, bool SHIFTED>
+__device__ __forceinline__ void slice_values(const Pack<V>* packs, int p, acc_t shift,
+                                             const scalar_t* __restrict__ addend, int start,
+                                             int chan_len, acc_t (&v)[V]) {
+    const Pack<V> x = packs[p];
+    acc_t a[V];
+    if (SHIFTED) pack_addends<V>(addend, start + p * V, chan_len, a);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = SHIFTED ? (to_acc(x.v[j]) + a[j]) - shift : to_acc(x.v[j]) - shift;
+}
+
+template <int V, int STAT, bool SHIFTED = false>
 __device__ __forceinline__ Stats slice_stats(const scalar_t* xs, int n, acc_t shift,
-                                             acc_t* scratch) {
+                                             acc_t* scratch,
+                                             const scalar_t* __restrict__ addend = nullptr,
+                                             int start = 0, int chan_len = 1) {
     const Pack<V>* packs = reinterpret_cast<const Pack<V>*>(xs);
     acc_t slice_mean = 0;
     if (STAT == STAT_MEAN_VAR) {
         acc_t s = 0;
         for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
-            const Pack<V> v = packs[p];
+            acc_t v[V];
+            slice_values<V, SHIFTED>(packs, p, shift, addend, start, chan_len, v);
 #pragma unroll
-            for (int j = 0; j < V; ++j) s += to_acc(v.v[j]) - shift;
+            for (int j = 0; j < V; ++j) s += v[j];
         }
         s = block_sum(s, scratch);
         slice_mean = n > 0 ? s / acc_t(n) : acc_t(0);
     }
     acc_t q = 0;
     for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
-        const Pack<V> v = packs[p];
+        acc_t v[V];
+        slice_values<V, SHIFTED>(packs, p, shift, addend, start, chan_len, v);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            const acc_t d = (to_acc(v.v[j]) - shift) - slice_mean;
+            const acc_t d = v[j] - slice_mean;
             q += d * d;
         }
     }
@@ -168,13 +212,13 @@ __device__ __forceinline__ acc_t affine_out(acc_t t) {
 }
 
 // Normalize a slice from shared memory into y (and write the segment's statistics from rank 0).
-template <int V, int EPILOGUE>
+template <int V, int EPILOGUE, bool SHIFTED = false>
 __device__ __forceinline__ void slice_write(
     const scalar_t* xs, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
     int64 seg, int rank, int start, int n, int seg_len, int chan_len, int chans_per_group,
-    int groups, acc_t eps, acc_t shift, Stats st) {
+    int groups, acc_t eps, acc_t shift, Stats st, const scalar_t* __restrict__ addend = nullptr) {
     const int64 base = seg * static_cast<int64>(seg_len) + start;
     const acc_t mean = shift + st.mean;
     const acc_t var = st.m2 / acc_t(seg_len);
@@ -216,10 +260,16 @@ __device__ __forceinline__ void slice_write(
             const int pos = start + p * V;
             int c = pos / chan_len;
             int within = pos - c * chan_len;
+            // (s - mean) * a + b = (x - mean) * a + (b + addend * a); addend: the segment's
+            auto bias_of = [&](int c, acc_t a) {
+                acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+                if (SHIFTED) b += to_acc(addend[c - channel_base]) * a;
+                return b;
+            };
             c += channel_base;
             if (within + V <= chan_len) {
                 const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
-                const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+                const acc_t b = bias_of(c, a);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
                     out.v[j] = from_acc<scalar_t>(
@@ -233,7 +283,7 @@ __device__ __forceinline__ void slice_write(
                     }
                     ++within;
                     const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
-                    const acc_t b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
+                    const acc_t b = bias_of(c, a);
                     out.v[j] = from_acc<scalar_t>(
                         affine_out<EPILOGUE>((to_acc(xv.v[j]) - mean) * a + b));
                 }
@@ -244,14 +294,15 @@ __device__ __forceinline__ void slice_write(
 }
 
 // One slice per CTA: load, [residual add,] statistics, exchange (team > 1), write.
-template <int V, int EPILOGUE, int STAT = STAT_MEAN_VAR>
+template <int V, int EPILOGUE, int STAT = STAT_MEAN_VAR, bool SHIFTED = false>
 __device__ __forceinline__ void segment_norm_fwd(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
     scalar_t* __restrict__ sum_out, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
     int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
-    int* __restrict__ tickets, acc_t* __restrict__ partials) {
+    int* __restrict__ tickets, acc_t* __restrict__ partials,
+    const scalar_t* __restrict__ addend = nullptr) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     scalar_t* xs = reinterpret_cast<scalar_t*>(smem_raw);
     __shared__ acc_t scratch[33];
@@ -273,7 +324,9 @@ __device__ __forceinline__ void segment_norm_fwd(
         slice_add_residual<V>(xs, residual, sum_out, seg_base + start, n_local);
         __syncthreads();
     }
-    Stats st = slice_stats<V, STAT>(xs, n_local, shift, scratch);
+    // addend of segment (n, g): addend[n * C + g * Cg ...] == addend[seg * Cg ...]
+    const scalar_t* __restrict__ seg_addend = SHIFTED ? addend + seg * chans_per_group : nullptr;
+    Stats st = slice_stats<V, STAT, SHIFTED>(xs, n_local, shift, scratch, seg_addend, start, chan_len);
     if (team > 1) {
         if (threadIdx.x == 0) {
             const acc_t mine[3] = {st.n, st.mean, st.m2};
@@ -282,29 +335,38 @@ __device__ __forceinline__ void segment_norm_fwd(
         __syncthreads();
         st = team_merged(seg, team, partials, scratch);
     }
-    slice_write<V, EPILOGUE>(xs, other, y, weight, bias, mean_out, rstd_out, var_out, seg, rank,
-                             start, n_local, seg_len, chan_len, chans_per_group, groups, eps, shift,
-                             st);
+    slice_write<V, EPILOGUE, SHIFTED>(xs, other, y, weight, bias, mean_out, rstd_out, var_out, seg,
+                                      rank, start, n_local, seg_len, chan_len, chans_per_group,
+                                      groups, eps, shift, st, seg_addend);
 }
 
-// vectorized: slices start 16-byte aligned and hold whole packs (host checks pointers, seg_len
-// and slice_len are multiples of VEC).
-extern "C" __global__ void segment_norm_fwd_affine(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    acc_t* __restrict__ var, int seg_len, int slice_len, int chan_len, int chans_per_group,
-    int groups, acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,
-    int vectorized) {
-    if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_AFFINE>(x, nullptr, nullptr, nullptr, y, weight, bias, mean,
-                                               rstd, var, seg_len, slice_len, chan_len,
-                                               chans_per_group, groups, eps, team, tickets,
-                                               partials);
-    else
-        segment_norm_fwd<1, EPILOGUE_AFFINE>(x, nullptr, nullptr, nullptr, y, weight, bias, mean,
-                                             rstd, var, seg_len, slice_len, chan_len,
-                                             chans_per_group, groups, eps, team, tickets, partials);
-}
+// GroupNorm / InstanceNorm (AFFINE) and GroupNorm + SiLU (AFFINE_SILU), each also SHIFTED (the
+// _shift entries: addend (N, C) is read; the others ignore it). vectorized: slices start 16-byte
+// aligned and hold whole packs (host checks pointers, seg_len and slice_len are multiples of VEC).
+#define AFFINE_FWD_ENTRY(NAME, EPILOGUE, SHIFTED)                                                  \
+    extern "C" __global__ void NAME(                                                              \
+        const scalar_t* __restrict__ x, scalar_t* __restrict__ y,                                 \
+        const param_t* __restrict__ weight, const param_t* __restrict__ bias,                     \
+        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var, int seg_len, \
+        int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,        \
+        int* __restrict__ tickets, acc_t* __restrict__ partials, int vectorized,                  \
+        const scalar_t* __restrict__ addend) {                                                    \
+        if (vectorized)                                                                           \
+            segment_norm_fwd<VEC, EPILOGUE, STAT_MEAN_VAR, SHIFTED>(                              \
+                x, nullptr, nullptr, nullptr, y, weight, bias, mean, rstd, var, seg_len,          \
+                slice_len, chan_len, chans_per_group, groups, eps, team, tickets, partials,       \
+                addend);                                                                          \
+        else                                                                                      \
+            segment_norm_fwd<1, EPILOGUE, STAT_MEAN_VAR, SHIFTED>(                                \
+                x, nullptr, nullptr, nullptr, y, weight, bias, mean, rstd, var, seg_len,          \
+                slice_len, chan_len, chans_per_group, groups, eps, team, tickets, partials,       \
+                addend);                                                                          \
+    }
+
+AFFINE_FWD_ENTRY(segment_norm_fwd_affine, EPILOGUE_AFFINE, false)
+AFFINE_FWD_ENTRY(segment_norm_fwd_affine_silu, EPILOGUE_AFFINE_SILU, false)
+AFFINE_FWD_ENTRY(segment_norm_fwd_affine_shift, EPILOGUE_AFFINE, true)
+AFFINE_FWD_ENTRY(segment_norm_fwd_affine_silu_shift, EPILOGUE_AFFINE_SILU, true)
 
 extern "C" __global__ void segment_norm_fwd_add_mul(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
@@ -318,25 +380,6 @@ extern "C" __global__ void segment_norm_fwd_add_mul(
         segment_norm_fwd<1, EPILOGUE_ADD_MUL>(x, nullptr, nullptr, other, y, nullptr, nullptr,
                                               mean, rstd, nullptr, seg_len, slice_len, seg_len, 1,
                                               1, eps, team, tickets, partials);
-}
-
-// GroupNorm + SiLU: segment_norm_fwd_affine's arguments, y = silu(affine).
-extern "C" __global__ void segment_norm_fwd_affine_silu(
-    const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean, acc_t* __restrict__ rstd,
-    acc_t* __restrict__ var, int seg_len, int slice_len, int chan_len, int chans_per_group,
-    int groups, acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,
-    int vectorized) {
-    if (vectorized)
-        segment_norm_fwd<VEC, EPILOGUE_AFFINE_SILU>(x, nullptr, nullptr, nullptr, y, weight, bias,
-                                                    mean, rstd, var, seg_len, slice_len, chan_len,
-                                                    chans_per_group, groups, eps, team, tickets,
-                                                    partials);
-    else
-        segment_norm_fwd<1, EPILOGUE_AFFINE_SILU>(x, nullptr, nullptr, nullptr, y, weight, bias,
-                                                  mean, rstd, var, seg_len, slice_len, chan_len,
-                                                  chans_per_group, groups, eps, team, tickets,
-                                                  partials);
 }
 
 // ------------------------------------------------------------------------------------------------

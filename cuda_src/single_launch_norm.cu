@@ -58,7 +58,7 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
     param_t* __restrict__ running_var, int64 R, int64 C, double count, acc_t eps, acc_t momentum,
     acc_t unbias) {
     const int64 ctas = gridDim.x;
-    stats_cols<V>(x, partials, 1, R, C, C, 0, ctas, 0, 1);
+    stats_cols<V>(x, partials, 1, R, C, C, 0, ctas, 0, 1, nullptr);
     grid_barrier(arrived, gridDim.x);
     const GridWarps w = grid_warps();
     if (w.active) {
@@ -68,7 +68,7 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
     }
     grid_barrier(arrived, 2 * gridDim.x);
     apply_cols<V, false>(x, nullptr, y, weight, bias, mean, rstd, nullptr, nullptr, R, C, C, 0, 0, 1,
-                         ctas, nullptr);
+                         ctas, nullptr, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_batch_norm_fwd_cols(
@@ -98,7 +98,7 @@ __device__ __forceinline__ void batch_norm_bwd_cols(
     void* __restrict__ dbias, int64 R, int64 C, double count, int training) {
     const int64 ctas = gridDim.x;
     bwd_sums_cols<V>(x, dy, mean, partials, R, C, C, 0, 0, 1, ctas, Epilogue{}, nullptr,
-                            nullptr, nullptr);
+                            nullptr, nullptr, nullptr);
     grid_barrier(arrived, gridDim.x);
     const GridWarps w = grid_warps();
     if (w.active) {  // warps 0 .. C-1: dweight, dbias; C .. 2C-1: u, v
@@ -108,7 +108,8 @@ __device__ __forceinline__ void batch_norm_bwd_cols(
     }
     if (dx == nullptr) return;  // the same for every CTA
     grid_barrier(arrived, 2 * gridDim.x);
-    apply_cols<V, true>(x, dy, dx, weight, nullptr, mean, rstd, u, v, R, C, C, 0, 0, 1, ctas, nullptr);
+    apply_cols<V, true>(x, dy, dx, weight, nullptr, mean, rstd, u, v, R, C, C, 0, 0, 1, ctas, nullptr,
+                        nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_batch_norm_bwd_cols(

@@ -17,6 +17,12 @@
 //   columns: channels innermost, element (n, r, c) at n*sample_stride + r*row_stride + c (NHWC).
 // V is the vector width: VEC (16-byte accesses) when the host has checked alignment, else 1.
 //
+// Per-sample statistics may normalize s = x + addend[n, c] instead of x (GroupNorm after a
+// diffusion block's time embedding): addend is (N, C) contiguous or null, and the sum is formed in
+// acc_t, never stored. The passes fold it into what they subtract from x -- the statistics'
+// shift K (x - (K - a) == (x + a) - K, so the partial means stay relative to K) and the apply's
+// mean (x - (mean - a)) -- so it costs nothing per element.
+//
 // With STRIDED_NORM_DEVICE_ONLY defined, only the device functions are compiled (the single-launch
 // family, single_launch_norm.cu, includes this file for them).
 #include "common.cuh"
@@ -43,18 +49,21 @@
 template <int V>
 __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t* __restrict__ partials,
                                            int64 n_runs, int64 run_len, int64 run_stride,
-                                           int64 set_stride, int64 chunk, int64 ctas_per_set) {
+                                           int64 set_stride, int64 chunk, int64 ctas_per_set,
+                                           const scalar_t* __restrict__ addend) {
     __shared__ Stats scratch[32];
     const int64 k = blockIdx.x / ctas_per_set, j = blockIdx.x % ctas_per_set;
     // statistics relative to the set's first value K (the finalize adds it back): small means
     // with all their digits on offset data; every CTA of the set uses the same K
-    const acc_t shift = to_acc(x[k * set_stride]);
+    const acc_t first = to_acc(x[k * set_stride]);
     const int64 f0 = j * chunk, f1 = min(f0 + chunk, n_runs * run_len);
     const int64 step = blockDim.x;
     Stats st = stats_empty();
     for (int64 r = f0 / run_len; r < n_runs && r * run_len < f1; ++r) {
         const int64 lo = max(f0 - r * run_len, int64(0)), hi = min(f1 - r * run_len, run_len);
         const scalar_t* __restrict__ run = x + k * set_stride + r * run_stride;
+        // with an addend, run r of set k is one channel (the host passes runs of one plane each)
+        const acc_t shift = addend != nullptr ? first - to_acc(addend[k * n_runs + r]) : first;
         int64 q = lo / V + threadIdx.x;
         const int64 q_end = hi / V;
         for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
@@ -88,11 +97,14 @@ __device__ __forceinline__ void stats_rows(const scalar_t* __restrict__ x, acc_t
 extern "C" __global__ void strided_norm_stats_rows(const scalar_t* __restrict__ x,
                                                    acc_t* __restrict__ partials, int64 n_runs,
                                                    int64 run_len, int64 run_stride, int64 set_stride,
-                                                   int64 chunk, int64 ctas_per_set, int vectorized) {
+                                                   int64 chunk, int64 ctas_per_set, int vectorized,
+                                                   const scalar_t* __restrict__ addend) {
     if (vectorized)
-        stats_rows<VEC>(x, partials, n_runs, run_len, run_stride, set_stride, chunk, ctas_per_set);
+        stats_rows<VEC>(x, partials, n_runs, run_len, run_stride, set_stride, chunk, ctas_per_set,
+                        addend);
     else
-        stats_rows<1>(x, partials, n_runs, run_len, run_stride, set_stride, chunk, ctas_per_set);
+        stats_rows<1>(x, partials, n_runs, run_len, run_stride, set_stride, chunk, ctas_per_set,
+                      addend);
 }
 #endif
 
@@ -129,7 +141,8 @@ template <int V>
 __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ partials,
                                            int64 N, int64 R, int64 C, int64 row_stride,
                                            int64 sample_stride, int64 ctas_per_n, int groups,
-                                           int64 chans_per_group) {
+                                           int64 chans_per_group,
+                                           const scalar_t* __restrict__ addend) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const int tx = threadIdx.x, ty = threadIdx.y, TX = blockDim.x, TY = blockDim.y;
     const int tid = ty * TX + tx, threads = TX * TY;
@@ -161,6 +174,7 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
             for (int e = 0; e < V; ++e) {
                 const int64 c = cp * V + e;
                 shift[e] = groups > 0 ? to_acc(xn[c - c % chans_per_group]) : to_acc(x[c]);
+                if (addend != nullptr) shift[e] -= to_acc(addend[n * C + c]);  // per sample only
             }
             if constexpr (pipelined) {
                 auto issue = [&](int64 b, int stage) {
@@ -246,13 +260,14 @@ __device__ __forceinline__ void stats_cols(const scalar_t* __restrict__ x, acc_t
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1)
 strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ partials, int64 N,
                         int64 R, int64 C, int64 row_stride, int64 sample_stride, int64 ctas_per_n,
-                        int groups, int64 chans_per_group, int vectorized) {
+                        int groups, int64 chans_per_group, int vectorized,
+                        const scalar_t* __restrict__ addend) {
     if (vectorized)
         stats_cols<VEC>(x, partials, N, R, C, row_stride, sample_stride, ctas_per_n, groups,
-                        chans_per_group);
+                        chans_per_group, addend);
     else
         stats_cols<1>(x, partials, N, R, C, row_stride, sample_stride, ctas_per_n, groups,
-                      chans_per_group);
+                      chans_per_group, addend);
 }
 #endif
 
@@ -340,6 +355,12 @@ struct Coeffs {
     acc_t mean, a, b, g;
 };
 
+// What x is centred by: the set's mean, less the element's addend (see the top of this file).
+__device__ __forceinline__ acc_t mean_of(int64 k, int64 nc, const acc_t* __restrict__ mean,
+                                         const scalar_t* __restrict__ addend) {
+    return addend != nullptr ? mean[k] - to_acc(addend[nc]) : mean[k];
+}
+
 template <bool BACKWARD>
 __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __restrict__ weight,
                                             const param_t* __restrict__ bias,
@@ -347,11 +368,12 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
                                             const acc_t* __restrict__ rstd,
                                             const acc_t* __restrict__ u,
                                             const acc_t* __restrict__ v, int groups,
-                                            int64 chans_per_group) {
+                                            int64 chans_per_group, int64 C,
+                                            const scalar_t* __restrict__ addend) {
     const int64 k = groups > 0 ? n * groups + c / chans_per_group : c;
     const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
     Coeffs f;
-    f.mean = mean[k];
+    f.mean = mean_of(k, n * C + c, mean, addend);
     if (BACKWARD) {
         f.a = u[k];
         f.b = v[k];
@@ -449,7 +471,8 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
                                            int64 C, int64 S, int64 sample_stride, int64 chan_stride,
                                            int groups, int64 chans_per_group,
                                            int64 tiles_per_plane, int64 tile_len,
-                                           const scalar_t* __restrict__ z) {
+                                           const scalar_t* __restrict__ z,
+                                           const scalar_t* __restrict__ addend) {
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
     // the second operand: dy (backward) or the residual (forward, when there is one)
@@ -458,9 +481,11 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     // the fused backward without a residual: dy -> dt here too (the forward's coefficients fw)
     constexpr bool grad_act = BACKWARD && ACT != ACT_PLAIN;
     Coeffs f[V], fw[grad_act ? V : 1];
-    f[0] = coeffs_of<BACKWARD>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
+    f[0] = coeffs_of<BACKWARD>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group, C,
+                               addend);
     if (grad_act)
-        fw[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group);
+        fw[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, u, v, groups, chans_per_group, C,
+                                 addend);
 #pragma unroll
     for (int e = 1; e < V; ++e) {
         f[e] = f[0];
@@ -495,15 +520,16 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
 
 #define APPLY_ROWS_ARGS                                                                         \
     x, dy, out, weight, bias, mean, rstd, u, v, C, S, sample_stride, chan_stride, groups,       \
-        chans_per_group, tiles_per_plane, tile_len, z
-// z: the fused forward's residual (fused_norm.cu; null and unused elsewhere)
+        chans_per_group, tiles_per_plane, tile_len, z, addend
+// z: the fused forward's residual (fused_norm.cu; null and unused elsewhere); addend: see the top
 #define APPLY_ROWS_PARAMS                                                                       \
     const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 C, int64 S,             \
         int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
-        int64 tiles_per_plane, int64 tile_len, int vectorized, const scalar_t *__restrict__ z
+        int64 tiles_per_plane, int64 tile_len, int vectorized, const scalar_t *__restrict__ z,  \
+        const scalar_t *__restrict__ addend
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
@@ -536,7 +562,8 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const acc_t* __restrict__ u, const acc_t* __restrict__ v,
                                            int64 R, int64 C, int64 row_stride, int64 sample_stride,
                                            int groups, int64 chans_per_group, int64 ctas_per_n,
-                                           const scalar_t* __restrict__ z) {
+                                           const scalar_t* __restrict__ z,
+                                           const scalar_t* __restrict__ addend) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int TY = blockDim.y;
     const scalar_t* __restrict__ other = BACKWARD ? dy : z;  // as in apply_rows
@@ -554,10 +581,10 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
 #pragma unroll
         for (int e = 0; e < V; ++e) {
             f[e] = coeffs_of<BACKWARD>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
-                                       chans_per_group);
+                                       chans_per_group, C, addend);
             if (grad_act)
                 fw[e] = coeffs_of<false>(n, cp * V + e, weight, bias, mean, rstd, u, v, groups,
-                                         chans_per_group);
+                                         chans_per_group, C, addend);
         }
         for (int64 b = chunk; b < blocks; b += ctas_per_n) {
             const int64 r1 = min(b * block_rows + block_rows, R);
@@ -591,14 +618,15 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
 
 #define APPLY_COLS_ARGS                                                                          \
     x, dy, out, weight, bias, mean, rstd, u, v, R, C, row_stride, sample_stride, groups,         \
-        chans_per_group, ctas_per_n, z
+        chans_per_group, ctas_per_n, z, addend
 #define APPLY_COLS_PARAMS                                                                        \
     const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 R, int64 C,             \
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
-        int64 ctas_per_n, int vectorized, const scalar_t *__restrict__ z
+        int64 ctas_per_n, int vectorized, const scalar_t *__restrict__ z,                      \
+        const scalar_t *__restrict__ addend
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
@@ -642,11 +670,12 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
                                               int64 tile_len, const Epilogue& ep,
                                               const param_t* __restrict__ weight,
                                               const param_t* __restrict__ bias,
-                                              const acc_t* __restrict__ rstd) {
+                                              const acc_t* __restrict__ rstd,
+                                              const scalar_t* __restrict__ addend) {
     __shared__ acc_t scratch[33];
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
-    const acc_t m = mean[groups > 0 ? n * groups + c / chans_per_group : c];
+    const acc_t m = mean_of(groups > 0 ? n * groups + c / chans_per_group : c, plane, mean, addend);
     const int64 offset = n * sample_stride + c * chan_stride;
     const int64 q_end = min(tile_len * (tile + 1), S) / V;
     const int64 step = blockDim.x;
@@ -654,7 +683,7 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     const scalar_t* __restrict__ aux = nullptr;
     if (ACT != ACT_PLAIN) {
         f[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr, groups,
-                                chans_per_group);
+                                chans_per_group, C, addend);
 #pragma unroll
         for (int e = 1; e < V; ++e) f[e] = f[0];
         aux = ep.z;
@@ -711,15 +740,16 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
 extern "C" __global__ void strided_norm_bwd_sums_rows(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 C, int64 S, int64 sample_stride, int64 chan_stride,
-    int groups, int64 chans_per_group, int64 tiles_per_plane, int64 tile_len, int vectorized) {
+    int groups, int64 chans_per_group, int64 tiles_per_plane, int64 tile_len, int vectorized,
+    const scalar_t* __restrict__ addend) {
     if (vectorized)
         bwd_sums_rows<VEC>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
                            chans_per_group, tiles_per_plane, tile_len, Epilogue{}, nullptr,
-                           nullptr, nullptr);
+                           nullptr, nullptr, addend);
     else
         bwd_sums_rows<1>(x, dy, mean, partials, C, S, sample_stride, chan_stride, groups,
                          chans_per_group, tiles_per_plane, tile_len, Epilogue{}, nullptr, nullptr,
-                         nullptr);
+                         nullptr, addend);
 }
 #endif
 
@@ -735,7 +765,8 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                               const Epilogue& ep,
                                               const param_t* __restrict__ weight,
                                               const param_t* __restrict__ bias,
-                                              const acc_t* __restrict__ rstd) {
+                                              const acc_t* __restrict__ rstd,
+                                              const scalar_t* __restrict__ addend) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     acc_t* sums = reinterpret_cast<acc_t*>(smem_raw);
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
@@ -755,10 +786,11 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
 #pragma unroll
             for (int e = 0; e < V; ++e) {
                 const int64 c = cp * V + e;
-                m[e] = mean[groups > 0 ? n * groups + c / chans_per_group : c];
+                m[e] = mean_of(groups > 0 ? n * groups + c / chans_per_group : c, n * C + c, mean,
+                               addend);
                 if (ACT != ACT_PLAIN)
                     f[e] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr,
-                                            groups, chans_per_group);
+                                            groups, chans_per_group, C, addend);
             }
             // row r's contribution once its packs are loaded (dy turned into dt first when fused)
             auto add_row = [&](int64 r, const Pack<V>& p, Pack<V> g, const Pack<V>& a) {
@@ -833,13 +865,16 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
 extern "C" __global__ void strided_norm_bwd_sums_cols(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 R, int64 C, int64 row_stride, int64 sample_stride,
-    int groups, int64 chans_per_group, int64 ctas_per_n, int vectorized) {
+    int groups, int64 chans_per_group, int64 ctas_per_n, int vectorized,
+    const scalar_t* __restrict__ addend) {
     if (vectorized)
         bwd_sums_cols<VEC>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                           chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr);
+                           chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr,
+                           addend);
     else
         bwd_sums_cols<1>(x, dy, mean, partials, R, C, row_stride, sample_stride, groups,
-                         chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr);
+                         chans_per_group, ctas_per_n, Epilogue{}, nullptr, nullptr, nullptr,
+                         addend);
 }
 #endif
 

@@ -61,6 +61,7 @@ def group_norm_fwd(
     weight: Any,
     bias: Any,
     eps: float,
+    shift: Any = None,
     *,
     want_var: bool = False,
     want_stats: bool = True,
@@ -71,7 +72,10 @@ def group_norm_fwd(
     ``want_stats=False`` (inference): mean and rstd come back as None, and the on-chip kernels
     skip writing them (two allocations fewer per call). ``act`` ("relu", "silu"): y =
     act(group_norm(x)) in the same write (the on-chip segment kernel for SiLU, the fused apply
-    pass of the strided family otherwise; see group_norm_act_bwd).
+    pass of the strided family otherwise; see group_norm_act_bwd). ``shift`` ((N, C),
+    contiguous, x's dtype): the norm is of s = x + shift[n, c] (a diffusion block's time
+    embedding), the sum formed in float32 inside the kernels and never stored; the statistics
+    are s's.
     """
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
@@ -94,22 +98,26 @@ def group_norm_fwd(
         aligned = call.aligned(x, y)
         plan = _plan.plan_segment(seg_len, call.itemsize, aligned, call.info)
         if plan is not None and act in _SEGMENT_ACT_KERNELS:
-            kernel = _SEGMENT_ACT_KERNELS[act]
+            kernel = _SEGMENT_ACT_KERNELS[act] + ("_shift" if shift is not None else "")
             # fmt: off
             _segment_launch(call, plan, N * G, x, kernel, (
                 call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(mean),
                 call.ptr(rstd), call.ptr(var), np.int32(seg_len), np.int32(plan.slice_len),
-                np.int32(S), np.int32(Cg), np.int32(G), _scalar(call.acc, eps)))
+                np.int32(S), np.int32(Cg), np.int32(G), _scalar(call.acc, eps)),
+                (call.ptr(shift),))
             # fmt: on
             return outputs
-        partials = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
+        if shift is None:
+            partials = _stats_rows(call, x, N * G, 1, seg_len, 0, seg_len)
+        else:  # runs of one channel each: the shift is per run
+            partials = _stats_rows(call, x, N * G, Cg, S, S, seg_len, shift)
     else:
-        partials = _stats_cols(call, x, N, S, C, S * C, G, Cg)
+        partials = _stats_cols(call, x, N, S, C, S * C, G, Cg, shift)
     if mean is None:  # the apply pass reads them
         mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
     _finalize(call, x, partials, N * G, Cg * S, eps, mean, rstd, var)
     epilogue = Epilogue(act) if act != "identity" else None
-    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg, epilogue)
+    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, G, Cg, epilogue, shift)
     return outputs
 
 
@@ -169,11 +177,15 @@ def group_norm_act_bwd(
     num_groups: int,
     needs_input_grad: tuple[bool, bool, bool],
     act: str,
+    shift: Any = None,
 ) -> tuple:
     """(dx, dweight, dbias) of group_norm_fwd with an activation ``act``: the strided backward
     with the fused epilogue, whose sums and dx passes each recompute t = group_norm(x) from x,
     the statistics, weight and bias and turn dy into dt = dy * act'(t) (rounded to x's dtype, as
-    the unfused activation's backward hands it over); nothing of the forward's output is kept."""
+    the unfused activation's backward hands it over); nothing of the forward's output is kept.
+
+    With the forward's ``shift``, dx is the gradient of s = x + shift (also x's); the shift's
+    own gradient, dx summed over the spatial dims, is the caller's to take."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
@@ -183,7 +195,7 @@ def group_norm_act_bwd(
     epilogue = Epilogue(act, None, bias) if act != "identity" else None
     # fmt: off
     return _backward(call, dy, x, mean, rstd, weight, layout, N, C, S, G, C // G, True,
-                     needs_input_grad, epilogue)
+                     needs_input_grad, epilogue, shift)
     # fmt: on
 
 

@@ -21,10 +21,17 @@ from ._strided import (
 
 
 def _segment_launch(
-    call: _Call, plan: _plan.SegmentPlan, num_segments: int, like: Any, kernel: str, args: tuple
+    call: _Call,
+    plan: _plan.SegmentPlan,
+    num_segments: int,
+    like: Any,
+    kernel: str,
+    args: tuple,
+    trailing: tuple = (),
 ) -> None:
     """Launch an on-chip segment kernel; a team of CTAs per segment gets its ticket counters
-    (zeroed, one per segment plus the start counter) and a buffer for the slices' triples."""
+    (zeroed, one per segment plus the start counter) and a buffer for the slices' triples.
+    ``trailing``: arguments after the team's (the kernel's last)."""
     tickets = partials = None
     if plan.team > 1:
         tickets = call.bk.zeros_int32(1 + num_segments, like)
@@ -40,6 +47,7 @@ def _segment_launch(
             call.ptr(tickets),
             call.ptr(partials),
             np.int32(plan.vectorized),
+            *trailing,
         ),
         smem=plan.smem,
     )

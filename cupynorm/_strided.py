@@ -4,6 +4,11 @@ backward's sums, merge and dx passes. Serves BatchNorm, every norm on channels_l
 segments too long for an on-chip team. With an :class:`Epilogue` (a residual add and an
 activation after the norm), the apply and the backward sums run the fused family's kernels
 (``fused_norm.cu``) and every other pass stays the same.
+
+Per-sample statistics may normalize ``x + shift[n, c]`` instead of x (``shift``: (N, C),
+contiguous, x's dtype, or None), a diffusion block's time embedding added before its GroupNorm:
+every pass takes it as its last argument (null when None) and folds it into what it subtracts
+from x (strided_norm.cu).
 """
 
 from __future__ import annotations
@@ -63,9 +68,17 @@ class _Partials(NamedTuple):
 
 
 def _stats_rows(
-    call: _Call, x: Any, num_sets: int, n_runs: int, run_len: int, run_stride: int, set_stride: int
+    call: _Call,
+    x: Any,
+    num_sets: int,
+    n_runs: int,
+    run_len: int,
+    run_stride: int,
+    set_stride: int,
+    shift: Any = None,
 ) -> _Partials:
-    """Partial triples of sets of contiguous runs (strided_norm_stats_rows)."""
+    """Partial triples of sets of contiguous runs (strided_norm_stats_rows); with a shift, run r
+    of set k must be one channel, whose shift is shift's element k * n_runs + r."""
     aligned = call.aligned(x, strides=(run_stride, set_stride))
     plan = _plan.plan_rows_stats(
         num_sets, n_runs * run_len, run_len, call.itemsize, aligned, call.info
@@ -76,7 +89,8 @@ def _stats_rows(
     call.launch(_STRIDED, "strided_norm_stats_rows", num_sets * plan.ctas_per_set,
                 (plan.threads,), (
         call.ptr(x), call.ptr(triples), i64(n_runs), i64(run_len), i64(run_stride),
-        i64(set_stride), i64(plan.chunk), i64(plan.ctas_per_set), np.int32(plan.vectorized)))
+        i64(set_stride), i64(plan.chunk), i64(plan.ctas_per_set), np.int32(plan.vectorized),
+        call.ptr(shift)))
     # fmt: on
     return _Partials(triples, plan.ctas_per_set, 1, set_stride, 0)
 
@@ -90,6 +104,7 @@ def _stats_cols(
     sample_stride: int,
     groups: int,
     chans_per_group: int,
+    shift: Any = None,
 ) -> _Partials:
     """Partial triples over channel-innermost data (strided_norm_stats_cols)."""
     aligned = call.aligned(x, strides=(sample_stride,))
@@ -111,7 +126,7 @@ def _stats_cols(
     call.launch(_STRIDED, "strided_norm_stats_cols", plan.grid(samples), (plan.tx, plan.ty), (
         call.ptr(x), call.ptr(triples), i64(samples), i64(rows), i64(channels), i64(channels),
         i64(sample_stride), i64(plan.ctas_per_sample), np.int32(groups), i64(chans_per_group),
-        np.int32(plan.vectorized)), smem=smem)
+        np.int32(plan.vectorized), call.ptr(shift)), smem=smem)
     # fmt: on
     if groups > 0:  # set (n, g) starts at sample n, channel g * Cg
         return _Partials(
@@ -249,6 +264,7 @@ def _apply(
     groups: int,
     cpg: int,
     epilogue: Epilogue | None = None,
+    shift: Any = None,
 ) -> None:
     """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel),
     then the epilogue's residual add and activation when one is given."""
@@ -269,7 +285,8 @@ def _apply(
         _NULL,
         _NULL,
     )
-    call.launch(source, kernel, geo.grid, geo.block, args + geo.tail + (call.ptr(residual),))
+    tail = geo.tail + (call.ptr(residual), call.ptr(shift))
+    call.launch(source, kernel, geo.grid, geo.block, args + tail)
 
 
 def _backward(
@@ -288,6 +305,7 @@ def _backward(
     training: bool,
     needs_input_grad: tuple[bool, bool, bool],
     epilogue: Epilogue | None = None,
+    shift: Any = None,
 ) -> tuple:
     """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu.
 
@@ -318,7 +336,7 @@ def _backward(
         # fmt: on
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean) (of dt, with the epilogue)
-    partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, fused)
+    partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, fused, shift)
     if fused is not None and fused.dt is not None:
         dy, fused = fused.dt, None  # written by pass 1: the plain norm backward from here on
     # pass 2: dweight, dbias and the dx coefficients, merged in a fixed order
@@ -344,7 +362,7 @@ def _backward(
     if need_dx:
         # fmt: off
         _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, groups, cpg, aligned,
-                fused)
+                fused, shift)
         # fmt: on
     return dx, dweight, dbias
 
@@ -359,6 +377,7 @@ def _bwd_sums(
     weight: Any = None,
     rstd: Any = None,
     epilogue: Epilogue | None = None,
+    shift: Any = None,
 ) -> Any:
     """Pass 1 of the backward over ``geo``'s grid: the partials (sdy, sdx) per (n, c, tile).
     With a fused epilogue, dy becomes dL/dt first (written to ``epilogue.dt`` when given) and the
@@ -369,12 +388,12 @@ def _bwd_sums(
     args = (call.ptr(x), call.ptr(dy), call.ptr(mean), call.ptr(partials)) + geo.tail
     if epilogue is None:
         kernel = f"strided_norm_bwd_sums_{layout_name}"
-        call.launch(_STRIDED, kernel, geo.grid, geo.block, args, smem=smem)
+        call.launch(_STRIDED, kernel, geo.grid, geo.block, args + (call.ptr(shift),), smem=smem)
         return partials
     # fmt: off
     call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid, geo.block,
                 args + (call.ptr(epilogue.residual), call.ptr(epilogue.dt), call.ptr(weight),
-                        call.ptr(epilogue.bias), call.ptr(rstd)), smem=smem)
+                        call.ptr(epilogue.bias), call.ptr(rstd), call.ptr(shift)), smem=smem)
     # fmt: on
     return partials
 
@@ -397,6 +416,7 @@ def _bwd_dx(
     cpg: int,
     aligned: bool,
     epilogue: Epilogue | None = None,
+    shift: Any = None,
 ) -> None:
     """Pass 3 of the backward: dx = (x - mean) * u + v + dt * rstd * weight, where dt is dy, or
     dL/dt computed from dy here with an epilogue (one without a residual: see Epilogue)."""
@@ -410,7 +430,7 @@ def _bwd_dx(
     args = (call.ptr(x), call.ptr(dy), call.ptr(dx), call.ptr(weight), call.ptr(bias),
             call.ptr(mean), call.ptr(rstd), call.ptr(u), call.ptr(v))
     # fmt: on
-    call.launch(source, kernel, geo.grid, geo.block, args + geo.tail + (_NULL,))
+    call.launch(source, kernel, geo.grid, geo.block, args + geo.tail + (_NULL, call.ptr(shift)))
 
 
 def _bwd_finalize(

@@ -98,8 +98,9 @@ def check_param(
         )
     if shape is not None:
         if tuple(p.shape) != shape:
+            of = "(N, C) of the input" if what == "shift" else "normalized_shape"
             raise InvalidInputError(
-                f"expected {what} of shape {shape} (normalized_shape), got shape {tuple(p.shape)}"
+                f"expected {what} of shape {shape} ({of}), got shape {tuple(p.shape)}"
             )
     elif tuple(p.shape) != (num_channels,):
         raise InvalidInputError(
@@ -148,6 +149,18 @@ def check_group_norm(x: Any, num_groups: Any, weight: Any, bias: Any, eps: Any) 
         )
     _check_affine(x, weight, bias, C)
     _check_number(eps, "eps")
+
+
+def check_shift(x: Any, shift: Any) -> None:
+    """The (N, C) values a group norm adds to its input (N, C, *) before normalizing (a diffusion
+    block's time embedding): the input's kind of array, device and dtype."""
+    if shift is None:
+        return
+    check_param(shift, x, "shift", 0, any_float=True, shape=tuple(x.shape[:2]))
+    if _dtype_name(shift) != _dtype_name(x):
+        raise InvalidTypeError(
+            f"shift must have the input's dtype ({_dtype_name(x)}), got {_dtype_name(shift)}"
+        )
 
 
 def _spatial_size(x: Any) -> int:

@@ -50,6 +50,12 @@ def _from_cupy(result: Any, like: Any) -> Any:
     return namespace().from_dlpack(result)
 
 
+def _cupy_contiguous(a: Any) -> Any:
+    import cupy
+
+    return cupy.ascontiguousarray(a)
+
+
 def _wants_grad(*tensors: Any) -> bool:
     import torch
 
@@ -105,6 +111,7 @@ def group_norm_act(
     bias: Any = None,
     eps: float = 1e-5,
     activation: str = "silu",
+    shift: Any = None,
 ) -> Any:
     r"""Group normalization and an activation in one pass: ``activation(group_norm(input))``.
 
@@ -112,6 +119,11 @@ def group_norm_act(
     ``"relu"`` or ``"identity"``, applied to the float32 normalized value before the output's
     single rounding. On contiguous input whose groups fit on chip the input is read once and
     the output written once.
+
+    ``shift``: an (N, C) array of the input's dtype added to every value of ``input[n, c]``
+    before the norm (a diffusion ResNet block's projected time embedding,
+    ``group_norm(x + temb[:, :, None, None])``), in float32 inside the kernels: the sum is
+    never stored nor rounded to the input's dtype.
 
     Returns:
         The result: same type, shape, dtype, device and memory format as ``input``.
@@ -121,20 +133,23 @@ def group_norm_act(
         >>> y = cupynorm.group_norm_act(x, 32)      # silu(group_norm(x, 32))
     """
     if _is_foreign(input):
-        w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
-        out = group_norm_act(_to_cupy(input), num_groups, w, b, eps, activation)
+        w, b, s = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias, shift))
+        out = group_norm_act(_to_cupy(input), num_groups, w, b, eps, activation, s)
         return _from_cupy(out, input)
     if activation not in _ACTIVATIONS:
         raise InvalidInputError(
             f"activation must be one of {', '.join(map(repr, _ACTIVATIONS))}, got {activation!r}"
         )
     _validate.check_group_norm(input, num_groups, weight, bias, eps)
-    if is_torch_tensor(input) and _wants_grad(input, weight, bias):
+    _validate.check_shift(input, shift)
+    if is_torch_tensor(input) and _wants_grad(input, weight, bias, shift):
         from . import torch as cn_torch
 
-        return cn_torch.group_norm_act(input, num_groups, weight, bias, eps, activation)
+        return cn_torch.group_norm_act(input, num_groups, weight, bias, eps, activation, shift)
+    if shift is not None:  # the kernels index it as (N, C) contiguous
+        shift = shift.contiguous() if is_torch_tensor(shift) else _cupy_contiguous(shift)
     # fmt: off
-    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, want_stats=False,
+    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, shift, want_stats=False,
                                act=activation)[0]
     # fmt: on
 

@@ -289,7 +289,7 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
     y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
     apply = "fused_norm_apply_cols_add_relu" if with_residual else "fused_norm_apply_cols_relu"
     assert [k for k, *_ in launches] == ["strided_norm_stats_cols", "strided_norm_finalize", apply]
-    assert launches[2][-1][-1] == (z.data_ptr() if with_residual else 0)  # the residual
+    assert launches[2][-1][-2:] == [z.data_ptr() if with_residual else 0, 0]  # residual, shift
     launches.clear()
     dy = torch.rand(x.shape).to(memory_format=torch.channels_last)
     needs = (True, True, True, with_residual)
@@ -300,10 +300,10 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
     sums_args, dx_args = launches[0][-1], launches[2][-1]
     assert (dz is not None) == with_residual
     if with_residual:  # the sums pass writes dt = dz, which the plain dx pass reads as its dy
-        assert sums_args[-5:-3] == [z.data_ptr(), dz.data_ptr()]
+        assert sums_args[-6:-4] == [z.data_ptr(), dz.data_ptr()]
         assert dx_args[1] == dz.data_ptr() and dx_args[4] == 0
     else:  # nothing stored: the fused dx reads dy and the forward's bias (t is recomputed)
-        assert sums_args[-5:-3] == [0, 0]
+        assert sums_args[-6:-4] == [0, 0]
         assert dx_args[1] == dy.data_ptr() and dx_args[4] == b.data_ptr()
     assert dx_args[2] == dx.data_ptr()
     # the identity: the plain backward on dy, which is the residual's gradient itself
@@ -343,7 +343,7 @@ def test_fused_group_norm_launches_the_fused_passes(launches, fmt) -> None:
         f"fused_norm_bwd_dx_{layout}_silu",
     ]
     sums_args, dx_args = launches[0][-1], launches[2][-1]
-    assert sums_args[-5:] == [0, 0, w.data_ptr(), b.data_ptr(), rstd.data_ptr()]
+    assert sums_args[-6:] == [0, 0, w.data_ptr(), b.data_ptr(), rstd.data_ptr(), 0]
     assert dx_args[:5] == [x.data_ptr(), dy.data_ptr(), dx.data_ptr(), w.data_ptr(), b.data_ptr()]
     # the identity: the plain group norm passes
     launches.clear()
@@ -362,6 +362,40 @@ def test_fused_group_norm_long_segments_take_the_strided_passes(launches) -> Non
         "strided_norm_finalize",
         "fused_norm_apply_rows_silu",
     ]
+
+
+@pytest.mark.parametrize("case", ["on-chip", "channels_last", "long"])
+def test_group_norm_shift_reaches_every_pass(launches, case) -> None:
+    """group_norm(x + shift[n, c]): the on-chip _shift kernel, or every strided pass but the
+    finalize, gets the shift as its last argument; long NCHW groups are reduced in runs of one
+    channel each (the shift is per run)."""
+    shape = (1, 2, 1200, 1000) if case == "long" else (2, 8, 5, 8)
+    x = torch.rand(shape)
+    if case == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    (N, C), S = shape[:2], shape[2] * shape[3]
+    G = 1 if case == "long" else 4
+    w, b, shift = torch.rand(C), torch.rand(C), torch.rand(N, C)
+    y, mean, rstd = _ops.group_norm_fwd(x, G, w, b, 1e-5, shift, act="silu")
+    kernels = [k for k, *_ in launches]
+    if case == "on-chip":
+        assert kernels == ["segment_norm_fwd_affine_silu_shift"]
+        assert launches[0][-1][-1] == shift.data_ptr()
+    else:
+        assert kernels[1] == "strided_norm_finalize" and len(kernels) == 3
+        assert launches[0][-1][-1] == shift.data_ptr() == launches[2][-1][-1]
+    if case == "long":  # (x, partials, n_runs, run_len, run_stride, set_stride, ...)
+        assert launches[0][-1][2:6] == [C // G, S, S, C // G * S]
+    launches.clear()
+    dy = torch.rand_like(x)
+    _ops.group_norm_act_bwd(dy, x, mean, rstd, w, b, G, (True, True, True), "silu", shift)
+    sums, finalize, dx = launches
+    assert finalize[0] == "strided_norm_bwd_finalize"
+    assert sums[-1][-1] == shift.data_ptr() == dx[-1][-1]
+    # without a shift, a null in its place
+    launches.clear()
+    _ops.group_norm_fwd(x, G, w, b, 1e-5, act="silu")
+    assert launches[0][-1][-1] == 0
 
 
 # ---- a replay launches exactly what the full path launches ----------------------------------
@@ -396,6 +430,13 @@ def _recorded_calls():
         ),
         "gn-fwd-team": (_ops.group_norm_fwd, lambda: (torch.rand(2, 4, 256, 256), 2, None, None,
                                                       1e-5)),
+        "gn-act-fwd-shift-cl": (_ops.group_norm_fwd, lambda: (_cl(2, 8, 5, 8), 2, w[:8], b[:8],
+                                                              1e-5, torch.rand(2, 8))),
+        "gn-act-bwd-shift": (
+            _ops.group_norm_act_bwd,
+            lambda: (torch.rand(2, 8, 5, 8), torch.rand(2, 8, 5, 8), torch.rand(2, 2),
+                     torch.rand(2, 2), w[:8], b[:8], 2, mask, "silu", torch.rand(2, 8)),
+        ),
         "gn-bwd": (
             _ops.group_norm_bwd,
             lambda: (torch.rand(2, 8, 5, 8), torch.rand(2, 8, 5, 8), torch.rand(2, 2),
