@@ -47,6 +47,8 @@ EXPECTED_WORKLOADS = [
     "groupnorm32_silu_fp16",
     "groupnorm32_silu_fp16_cl",
     "groupnorm32_silu_fwdbwd_fp16",
+    "groupnorm32_shift_silu_fp16",
+    "groupnorm32_shift_silu_fwdbwd_fp16",
     "seed002_model_fp32",
     "module_overhead",
 ]

@@ -281,7 +281,8 @@ _EPILOGUE_CLASSES: dict[str, type] = {}
 
 def epilogue_module_classes() -> dict[str, type]:
     """BatchNormAddReLU: ``relu(bn(x) + residual)`` as torch writes it (the ResNet bottleneck's
-    tail), the eager side of cupynorm's BatchNormAct2d; GroupNormSiLU, that of GroupNormAct."""
+    tail), the eager side of cupynorm's BatchNormAct2d; GroupNormSiLU and GroupNormShiftSiLU,
+    those of GroupNormAct."""
     if _EPILOGUE_CLASSES:
         return _EPILOGUE_CLASSES
     import torch.nn.functional as F
@@ -298,7 +299,18 @@ def epilogue_module_classes() -> dict[str, type]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return F.silu(super().forward(x))
 
-    _EPILOGUE_CLASSES.update(BatchNormAddReLU=BatchNormAddReLU, GroupNormSiLU=GroupNormSiLU)
+    class GroupNormShiftSiLU(nn.GroupNorm):
+        """``silu(group_norm(x + shift[:, :, None, None]))`` as diffusers' ResnetBlock2D writes
+        its time embedding, norm2 and activation; the eager side of GroupNormAct with a shift."""
+
+        def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+            return F.silu(super().forward(x + shift[:, :, None, None]))
+
+    _EPILOGUE_CLASSES.update(
+        BatchNormAddReLU=BatchNormAddReLU,
+        GroupNormSiLU=GroupNormSiLU,
+        GroupNormShiftSiLU=GroupNormShiftSiLU,
+    )
     return _EPILOGUE_CLASSES
 
 

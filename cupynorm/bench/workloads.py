@@ -341,6 +341,28 @@ WORKLOADS: tuple[Workload, ...] = (
         goal_ms=0.07,  # as the GroupNorm row: SiLU's gradient is taken in the passes it makes
     ),
     Workload(
+        name="groupnorm32_shift_silu_fp16",
+        title="time embedding + GroupNorm(32, 320) + SiLU fp16 NCHW fwd (diffusers' norm2)",
+        eager=ModuleSpec("bench", "GroupNormShiftSiLU", (32, 320)),
+        cupynorm=ModuleSpec("cupynorm.torch", "GroupNormAct", (32, 320)),
+        input_shapes=(_SD_GROUPNORM, _SD_GROUPNORM[:2]),
+        dtype="float16",
+        traffic="read x, write y (the (N, C) shift is added in the kernel)",
+        goal_ms=0.025,  # as the GroupNorm row: the add costs no pass
+    ),
+    Workload(
+        name="groupnorm32_shift_silu_fwdbwd_fp16",
+        title="time embedding + GroupNorm(32, 320) + SiLU fp16 fwd+bwd",
+        eager=ModuleSpec("bench", "GroupNormShiftSiLU", (32, 320)),
+        cupynorm=ModuleSpec("cupynorm.torch", "GroupNormAct", (32, 320)),
+        input_shapes=(_SD_GROUPNORM, _SD_GROUPNORM[:2]),
+        dtype="float16",
+        backward=True,
+        tensor_passes=5,
+        traffic=_FWDBWD_TRAFFIC,
+        goal_ms=0.07,
+    ),
+    Workload(
         name="seed002_model_fp32",
         title="seed-002 model: Linear(8192, 8192) 'bmm' + the tail, fp32, batch 1024",
         eager=ModuleSpec("bench", "Seed002Model", (8192, 8192)),
