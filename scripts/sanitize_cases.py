@@ -80,6 +80,15 @@ def main() -> None:
                 _ops.batch_norm_bwd(dyl, xl, m, r, None, True, (False, True, True))
                 _ops.batch_norm_bwd(dyl, xl, m, r, w, False, (True, False, True))
             _single.enable(default)
+        # GroupNorm + SiLU of x + shift[n, c] (a time embedding): on chip with packs straddling
+        # two channels, a team, the columns passes, and the strided rows in runs of one channel
+        for shape, groups in (((3, 8, 3, 4), 4), ((2, 4, 300, 300), 2), ((1, 2, 700, 700), 1)):
+            x, dy = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
+            w = torch.rand(shape[1], device="cuda", dtype=dtype) + 0.5
+            shift = torch.randn(shape[:2], device="cuda", dtype=dtype)
+            for inp, d in ((x, dy), (x.to(memory_format=torch.channels_last), dy)):
+                _, m, r = _ops.group_norm_fwd(inp, groups, w, w, 1e-5, shift, act="silu")
+                _ops.group_norm_act_bwd(d, inp, m, r, w, w, groups, (True,) * 3, "silu", shift)
         # the split path: one segment longer than a team holds (GroupNorm(1) of 8 x 512 x 512)
         x = torch.randn(1, 8, 512, 512, device="cuda", dtype=dtype)
         close(cupynorm.group_norm(x, 1), F.group_norm(x.float(), 1), tol * 3)
