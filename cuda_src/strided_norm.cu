@@ -659,8 +659,10 @@ extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
 // In eval mode (constant statistics) u = v = 0.
 
 // rows layout, grid as apply_rows: one partial per (plane, tile). With an epilogue (ACT not
-// ACT_PLAIN: fused_norm.cu), dy -> dt first (written to ep.dt when given) and the sums are of dt.
-template <int V, int ACT = ACT_PLAIN>
+// ACT_PLAIN: fused_norm.cu), dy -> dt first and the sums are of dt; with a residual (RESID, a
+// compile-time choice as in the apply: its loads cost registers the other kernels must not pay)
+// t includes it and dt is also written to ep.dt.
+template <int V, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
@@ -680,13 +682,13 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     const int64 q_end = min(tile_len * (tile + 1), S) / V;
     const int64 step = blockDim.x;
     Coeffs f[V];
-    const scalar_t* __restrict__ aux = nullptr;
+    const scalar_t* __restrict__ aux = nullptr;  // the residual (RESID only)
     if (ACT != ACT_PLAIN) {
         f[0] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr, groups,
                                 chans_per_group, C, addend);
 #pragma unroll
         for (int e = 1; e < V; ++e) f[e] = f[0];
-        aux = ep.z;
+        if (RESID) aux = ep.z;
     }
     acc_t sdy = 0, sdx = 0;
     int64 q = tile * tile_len / V + threadIdx.x;
@@ -696,14 +698,13 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
         for (int i = 0; i < UNROLL; ++i) {
             p[i] = load_pack<V>(x + offset, q + i * step);
             g[i] = load_pack<V>(dy + offset, q + i * step);
-            if (ACT != ACT_PLAIN && aux != nullptr)
-                a[i] = load_pack<V>(aux + offset, q + i * step);
+            if (ACT != ACT_PLAIN && RESID) a[i] = load_pack<V>(aux + offset, q + i * step);
         }
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             if (ACT != ACT_PLAIN) {
-                activation_grad<V, ACT>(g[i], p[i], a[i], f, aux != nullptr);
-                if (ep.dt != nullptr) store_pack<V>(ep.dt + offset, q + i * step, g[i]);
+                activation_grad<V, ACT>(g[i], p[i], a[i], f, RESID);
+                if (RESID) store_pack<V>(ep.dt + offset, q + i * step, g[i]);
             }
 #pragma unroll
             for (int e = 0; e < V; ++e) {
@@ -717,9 +718,9 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
         const Pack<V> p = load_pack<V>(x + offset, q);
         Pack<V> g = load_pack<V>(dy + offset, q), a;
         if (ACT != ACT_PLAIN) {
-            if (aux != nullptr) a = load_pack<V>(aux + offset, q);
-            activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
-            if (ep.dt != nullptr) store_pack<V>(ep.dt + offset, q, g);
+            if (RESID) a = load_pack<V>(aux + offset, q);
+            activation_grad<V, ACT>(g, p, a, f, RESID);
+            if (RESID) store_pack<V>(ep.dt + offset, q, g);
         }
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -755,6 +756,10 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
 
 // columns layout, grid and block as apply_cols: one partial per (n, c, chunk), T = ctas_per_n.
 // Blocks of COLS_APPLY_UNROLL * TY rows as apply_cols. Dynamic shared memory: TX * TY * V * 2 * sizeof(acc_t).
+// ACT as bwd_sums_rows; the residual is a runtime operand here (ep.z, null without one): with it
+// a compile-time choice as in the rows kernel, the fused columns sums were slower (BatchNorm +
+// ReLU over resnet50's layers 5.39 -> 5.52 ms per step, GroupNorm + SiLU channels_last backward
+// 111 -> 126-131 us; benchmarks/NOTES.md).
 template <int V, int ACT = ACT_PLAIN>
 __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,

@@ -391,7 +391,10 @@ def _bwd_sums(
         call.launch(_STRIDED, kernel, geo.grid, geo.block, args + (call.ptr(shift),), smem=smem)
         return partials
     # fmt: off
-    call.launch(_FUSED, f"fused_norm_bwd_sums_{layout_name}_{epilogue.act}", geo.grid, geo.block,
+    # the rows entries take the residual's presence at compile time (fused_norm.cu)
+    add = "add_" if geo.rows and epilogue.residual is not None else ""
+    kernel = f"fused_norm_bwd_sums_{layout_name}_{add}{epilogue.act}"
+    call.launch(_FUSED, kernel, geo.grid, geo.block,
                 args + (call.ptr(epilogue.residual), call.ptr(epilogue.dt), call.ptr(weight),
                         call.ptr(epilogue.bias), call.ptr(rstd), call.ptr(shift)), smem=smem)
     # fmt: on
