@@ -26,11 +26,13 @@ MODEL_NAMES = [
     "convnext_tiny_b64_bf16_cl",
     "gn_blocks_fp16_cl",
     "gn_blocks_fp16",
+    "unet_blocks_fp16",
+    "unet_blocks_fp16_cl",
     "llama_8l_h2048_s2048_b4_bf16",
 ]
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
 # is elementwise torch ops, no norm kernel to count on the CPU)
-DRY_RUN_NAMES = MODEL_NAMES[:6]
+DRY_RUN_NAMES = MODEL_NAMES[:8]
 
 # ------------------------------------------------------------------------------------------------
 # Registry and selection
@@ -110,6 +112,28 @@ def test_gn_blocks_model_shape() -> None:
     assert {(m.num_groups, m.num_channels) for m in norms} == {(32, 64)}
     x = torch.randn(2, 64, 8, 8)
     assert model(x).shape == x.shape
+
+
+def test_unet_blocks_model_fuses_the_time_embedding() -> None:
+    """The blocks with a time embedding: 8 GroupNorms, and fuse folds each block's embedding add
+    before norm2 and both SiLUs (outputs and gradients as before: the CPU reference path)."""
+    torch = pytest.importorskip("torch")
+    import cupynorm.torch as cnt
+
+    workload = dataclasses.replace(
+        bench.MODEL_WORKLOADS_BY_NAME["unet_blocks_fp16"], input_shape=(2, 64, 8, 8)
+    )
+    model = bench.models.build_model(workload)
+    assert bench.models.count_norm_layers(model) == 8
+    x = torch.randn(2, 64, 8, 8)
+    expected = model(x)
+    fused_report: list[str] = []
+    fused = cnt.fuse(model, report=fused_report)
+    assert sorted(fused_report) == sorted(
+        [f"blocks.{i}.norm1 + silu" for i in range(4)]
+        + [f"blocks.{i}.norm2 + shift + silu" for i in range(4)]
+    )
+    torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -431,12 +455,12 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[6/6] gn_blocks_fp16 done" in captured.err
+    assert "[8/8] unet_blocks_fp16_cl done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out
     rows = _models_table(captured.out)
-    assert len(rows) == 2 + 6 * 3 * 2
+    assert len(rows) == 2 + 8 * 3 * 2
     body = rows[2:]
     assert all("ERROR" not in cell for row in body for cell in row), captured.out
     keys = [tuple(row[:3]) for row in body]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import re
 
 import pytest
 import torch
@@ -288,3 +289,179 @@ def test_fuse_timm_group_norm_act():
     assert report == ["0 + silu", "1 + silu"]
     x = torch.randn(2, 16, 5, 5)
     torch.testing.assert_close(model(x), ref(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# shift: the time embedding diffusers' ResnetBlock2D adds before norm2
+# ---------------------------------------------------------------------------------------------
+def _unfused_shifted(x, groups, w, b, act, shift):
+    s = shift.reshape(*shift.shape, *([1] * (x.dim() - 2)))
+    return ACTS[act](F.group_norm(x + s, groups, w, b, 1e-5))
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,groups,fmt", CASES, ids=[f"{s}-{g}-{f}" for s, g, f in CASES])
+def test_group_norm_act_shift_kernel_route_matches_unfused(
+    kernel_path, act, dtype, shape, groups, fmt
+):
+    g = torch.Generator().manual_seed(7)
+    N, C = shape[:2]
+    x = _input(shape, fmt, dtype, g)
+    w, b = torch.rand(C, generator=g, dtype=dtype) + 0.5, torch.randn(C, generator=g, dtype=dtype)
+    shift = 3 * torch.randn(N, C, generator=g, dtype=dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, shift)]
+    refs = [t.clone().requires_grad_() for t in (x, w, b, shift)]
+    y = cnt.group_norm_act(leaves[0], groups, leaves[1], leaves[2], activation=act, shift=leaves[3])
+    y_ref = _unfused_shifted(refs[0], groups, refs[1], refs[2], act, refs[3])
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, y_ref, **tol)
+    if fmt == "channels_last":
+        assert y.is_contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(shape, generator=g, dtype=dtype)
+    y.backward(dy)
+    y_ref.backward(dy)
+    for ours, ref in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(ours.grad, ref.grad, **tol)
+
+
+@pytest.mark.parametrize("needs", ["input", "shift", "weight"])
+def test_group_norm_act_shift_gradients_of_what_needs_them(kernel_path, needs):
+    """Only the tensors that require grad get one; the shift's needs the input's internally."""
+    g = torch.Generator().manual_seed(8)
+    x = _input((2, 6, 4, 5), "contiguous", torch.float64, g)
+    w, shift = torch.rand(6, generator=g, dtype=torch.float64), torch.randn(2, 6, generator=g)
+    shift = shift.double()
+    tensors = {"input": x, "weight": w, "shift": shift}
+    ours = {k: t.clone().requires_grad_(k == needs) for k, t in tensors.items()}
+    refs = {k: t.clone().requires_grad_(k == needs) for k, t in tensors.items()}
+    y = cnt.group_norm_act(ours["input"], 3, ours["weight"], None, shift=ours["shift"])
+    _unfused_shifted(refs["input"], 3, refs["weight"], None, "silu", refs["shift"]).sum().backward()
+    y.sum().backward()
+    for k in tensors:
+        assert (ours[k].grad is None) == (k != needs)
+    torch.testing.assert_close(ours[needs].grad, refs[needs].grad)
+
+
+def test_group_norm_act_shift_gradcheck(kernels):
+    g = torch.Generator().manual_seed(9)
+    x = _input((2, 4, 3, 3), "channels_last", torch.float64, g).requires_grad_()
+    w = (torch.rand(4, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(4, generator=g, dtype=torch.float64).requires_grad_()
+    shift = torch.randn(2, 4, generator=g, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda *t: cnt.group_norm_act(t[0], 2, t[1], t[2], shift=t[3]), (x, w, b, shift)
+    )
+
+
+def test_group_norm_act_shift_fake_kernels_and_opcheck():
+    from cupynorm.torch import _library
+
+    g = torch.Generator().manual_seed(10)
+    x = _input((3, 6, 5, 7), "channels_last", torch.float32, g).requires_grad_()
+    w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
+    shift = torch.randn(3, 6, generator=g)
+    real = _kernels._group_norm_act_fwd(x, 3, w, b, 1e-5, "silu", shift)
+    fake = _kernels._group_norm_act_fwd_fake(x, 3, w, b, 1e-5, "silu", shift)
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+    torch.library.opcheck(_library.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, "silu", shift))
+    shift_leaf = shift.clone().requires_grad_()
+    torch.library.opcheck(
+        _library.group_norm_act_fwd_op, (x.detach(), 3, None, None, 1e-5, "relu", shift_leaf)
+    )
+
+
+def test_group_norm_act_shift_compiles_fullgraph_on_the_reference_kernels(kernels):
+    torch._dynamo.reset()
+    m = cnt.GroupNormAct(2, 4)
+    nn.init.normal_(m.weight)
+    x = torch.randn(2, 4, 3, 5, requires_grad=True)
+    shift = torch.randn(2, 4, requires_grad=True)
+    expected = m(x, shift)
+    expected.square().sum().backward()
+    expected_grads = (x.grad.clone(), shift.grad.clone(), m.weight.grad.clone())
+    x.grad = shift.grad = m.weight.grad = None
+    y = torch.compile(m, fullgraph=True, backend="aot_eager")(x, shift)
+    torch.testing.assert_close(y, expected)
+    y.square().sum().backward()
+    torch.testing.assert_close((x.grad, shift.grad, m.weight.grad), expected_grads)
+    torch._dynamo.reset()
+
+
+def test_group_norm_act_shift_errors(kernels):
+    x = torch.randn(2, 4, 3, 3)
+    with pytest.raises(InvalidInputError, match=r"shift of shape \(N, C\) = \(2, 4\)"):
+        cnt.group_norm_act(x, 2, shift=torch.randn(2, 3))
+    with pytest.raises(cupynorm.InvalidTypeError, match="input's dtype and device"):
+        cnt.group_norm_act(x, 2, shift=torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(cupynorm.InvalidTypeError, match="expected shift to be a torch.Tensor"):
+        cnt.group_norm_act(x, 2, shift=1.0)
+
+
+def test_group_norm_act_module_shift_as_written_when_not_fusable():
+    """GroupNormAct(x, shift) is act(group_norm(x + shift[:, :, None, None])) in every case: a
+    shift it cannot fuse (not (N, C), another dtype) runs the add as written."""
+    g = torch.Generator().manual_seed(11)
+    m = cnt.GroupNormAct(2, 4, affine=False)
+    x = torch.randn(2, 4, 5, 5, generator=g)
+    for shape in ((2, 4), (1, 4), (2, 1)):  # fused, then broadcast over N, over C
+        shift = torch.randn(shape, generator=g)
+        expected = F.silu(F.group_norm(x + shift[:, :, None, None], 2))
+        torch.testing.assert_close(m(x, shift), expected)
+    x3 = torch.randn(2, 4, 6, generator=g)  # 3-D input: the add as written, which torch refuses
+    shift = torch.randn(2, 4, generator=g)
+    with pytest.raises(RuntimeError) as theirs:
+        x3 + shift[:, :, None, None]
+    with pytest.raises(RuntimeError, match=re.escape(str(theirs.value))):
+        m(x3, shift)
+    half = cnt.GroupNormAct(2, 4, affine=False)(x.double(), shift)  # type promotion as written
+    assert half.dtype == torch.float64
+
+
+class _TimeBlocks(nn.Module):
+    """The time-embedding add before a GroupNorm, folded; and adds fuse() must leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gn1, self.gn2 = nn.GroupNorm(2, 4), nn.GroupNorm(2, 4)
+        self.gn3, self.gn4 = nn.GroupNorm(2, 4), nn.GroupNorm(2, 4)
+        self.proj = nn.Linear(6, 4)
+
+    def forward(self, x, t):
+        e = self.proj(t)
+        h = F.silu(self.gn1(x + e[:, :, None, None]))  # folded, with the SiLU
+        h = self.gn2(e[:, :, None, None] + h)  # folded, no activation: identity
+        s = h + e[:, :, None, None]
+        h = F.silu(self.gn3(s)) + s  # the sum has another user: only the SiLU folds
+        return F.silu(self.gn4(h + e[..., None, None]))  # another indexing: only the SiLU
+
+
+def test_fuse_folds_the_time_embedding_add():
+    torch.manual_seed(2)
+    ref = _TimeBlocks()
+    for m in ref.modules():
+        if isinstance(m, nn.GroupNorm):
+            nn.init.normal_(m.weight)
+            nn.init.normal_(m.bias)
+    report: list[str] = []
+    fused = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["gn1 + shift + silu", "gn2 + shift", "gn3 + silu", "gn4 + silu"]
+    assert fused.gn2.activation == "identity"
+    assert sorted(fused.state_dict()) == sorted(ref.state_dict())
+    x, t = torch.randn(3, 4, 5, 5), torch.randn(3, 6)
+    torch.testing.assert_close(fused(x, t), ref(x, t))
+
+
+def test_fuse_time_embedding_on_the_kernel_route_trains_like_torch(kernels):
+    torch.manual_seed(3)
+    ref = _TimeBlocks()
+    fused = cnt.fuse(copy.deepcopy(ref))
+    x, t = torch.randn(3, 4, 5, 5), torch.randn(3, 6)
+    for m in (fused, ref):
+        m(x, t).square().sum().backward()
+    grads = dict(ref.named_parameters())
+    for name, p in fused.named_parameters():
+        g = grads[name].grad
+        scale = max(g.abs().max().item(), 1.0)
+        assert (p.grad - g).abs().max().item() <= 1e-5 * scale, name

@@ -262,3 +262,114 @@ def test_fuse_gn_resnet_blocks_matches_torch(fmt):
         torch.backends.cudnn.allow_tf32 = tf32
     for ours, theirs in zip(*outs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+# ---- shift: the time embedding diffusers' ResnetBlock2D adds before norm2 ----------------------
+SHIFT_INDICES = (0, 1, 2, 3, 7, 8)  # both layouts, the diffusion shape, a team, the strided rows
+SHIFT_CASES = [CASES[i] for i in SHIFT_INDICES]
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("shape,groups,fmt", SHIFT_CASES, ids=[CASE_IDS[i] for i in SHIFT_INDICES])
+def test_group_norm_act_shift_matches_unfused(dtype, shape, groups, fmt):
+    """act(group_norm(x + shift[:, :, None, None])) and every gradient, the shift's included,
+    against the unfused sequence in float64 (the sum is not rounded to the input's dtype)."""
+    poison_torch_allocator()
+    N, C = shape[:2]
+    x = _make(shape, dtype, fmt, offset=3.0).requires_grad_()
+    shift = (2 * torch.randn(N, C, device="cuda")).to(DTYPES[dtype]).requires_grad_()
+    pdtype = torch.float64 if dtype == "float64" else torch.float32
+    w = (torch.rand(C, device="cuda", dtype=pdtype) + 0.5).requires_grad_()
+    b = torch.randn(C, device="cuda", dtype=pdtype).requires_grad_()
+    y = cnt.group_norm_act(x, groups, w, b, 1e-5, shift=shift)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, w, b, shift)]
+    xd, wd, bd, sd = leaves
+    yd = F.silu(F.group_norm(xd + sd[:, :, None, None], groups, wd, bd, 1e-5))
+    yd.backward(dy.double())
+    _close(y.detach(), yd.detach(), dtype, "y")
+    names = ("dx", "dweight", "dbias", "dshift")
+    for ours, ref, what in zip((x, w, b, shift), leaves, names, strict=True):
+        _close(ours.grad, ref.grad, dtype, what)
+    assert shift.grad.dtype == shift.dtype
+
+
+def test_group_norm_act_shift_under_autocast():
+    """fp16 tensors under autocast: the norm in float32 (as torch's autocast runs group_norm),
+    the sum not rounded to fp16 where torch's add rounds it: closer to float64 than torch."""
+    x = torch.randn(2, 64, 8, 8, device="cuda", dtype=torch.float16) + 3
+    shift = torch.randn(2, 64, device="cuda", dtype=torch.float16)
+    m = cnt.GroupNormAct(8, 64).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = m(x, shift)
+        ref = F.silu(F.group_norm(x + shift[:, :, None, None], 8, m.weight, m.bias, m.eps))
+    assert y.dtype == ref.dtype == torch.float32
+    exact = F.silu(F.group_norm(x.double() + shift.double()[:, :, None, None], 8,
+                                m.weight.double(), m.bias.double(), m.eps))  # fmt: skip
+    assert _err(y, exact) <= _err(ref, exact) + 1e-6
+    torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_group_norm_act_shift_cuda_graph_and_compile():
+    torch.manual_seed(1)
+    m = cnt.GroupNormAct(4, 16).cuda()
+    x = torch.randn(4, 16, 9, 9, device="cuda", requires_grad=True)
+    shift = torch.randn(4, 16, device="cuda", requires_grad=True)
+    eager = m(x, shift)
+    eager.square().sum().backward()
+    grads = (x.grad.clone(), shift.grad.clone())
+    x.grad = shift.grad = None
+    compiled = torch.compile(copy.deepcopy(m), fullgraph=True)
+    out = compiled(x, shift)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    torch.testing.assert_close((x.grad, shift.grad), grads, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    x, shift = x.detach(), shift.detach()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m(x, shift)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = m(x, shift)
+    shift.mul_(2)  # replays read the captured tensors' new values
+    ref = m(x, shift)
+    g.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_fuse_unet_blocks_matches_torch(fmt):
+    """fuse() on the bench's blocks with a time embedding: norm1 + SiLU and shift + norm2 + SiLU
+    in every block; output and gradients (the embedding's layers' included) as torch's (fp32,
+    no TF32)."""
+    from cupynorm.bench import models
+
+    torch.manual_seed(0)
+    ref = models._gn_module_classes()["UNetResnetBlocks"](64, 2, blocks=2).cuda()
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert sorted(report) == sorted(
+        [f"blocks.{i}.norm1 + silu" for i in range(2)]
+        + [f"blocks.{i}.norm2 + shift + silu" for i in range(2)]
+    )
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        x = _make((2, 64, 16, 16), "float32", fmt, 1.0)
+        outs = []
+        for m in (model, ref):
+            inp = x.clone().requires_grad_()
+            out = m(inp)
+            out.square().mean().backward()
+            proj = m.get_submodule("blocks.1.time_emb_proj").weight.grad
+            emb = m.get_submodule("time_embedding.0").weight.grad
+            outs.append((out.detach(), inp.grad, proj, emb))
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+    for ours, theirs in zip(*outs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -386,6 +386,11 @@ def _op_samples() -> dict:
             _library.group_norm_fwd_op,
             (x.detach().bfloat16().requires_grad_(), 3, w, b, 1e-5),
         ),
+        (
+            "gn_act_shift_cl",
+            _library.group_norm_act_fwd_op,
+            (xcl, 3, w, b, 1e-5, "silu", r(3, 6, grad=True)),
+        ),
         ("in", _library.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
         ("bn_train", _library.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
         (
@@ -419,6 +424,7 @@ _OP_SAMPLE_NAMES = [
     "gn",
     "gn_cl_half",
     "gn_f32_weight_bf16_x",
+    "gn_act_shift_cl",
     "in",
     "bn_train",
     "bn_train_no_stats",

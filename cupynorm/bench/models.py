@@ -85,13 +85,17 @@ def seed002_module_classes() -> dict[str, type]:
 
 GN_BLOCKS = 4
 GN_GROUPS = 32
+TEMB_CHANNELS = 1280  # diffusers' UNet2DConditionModel: 4 x its first block's 320 channels
 _GN_CLASSES: dict[str, type] = {}
 
 
 def _gn_module_classes() -> dict[str, type]:
-    """GNResnetBlock and GNResnetBlocks, defined on first use (they need torch)."""
+    """GNResnetBlock(s) and UNetResnetBlock(s), defined on first use (they need torch)."""
     if _GN_CLASSES:
         return _GN_CLASSES
+    import math
+
+    import torch
     from torch import nn
 
     class GNResnetBlock(nn.Module):
@@ -117,13 +121,75 @@ def _gn_module_classes() -> dict[str, type]:
         def __init__(self, channels: int, blocks: int = GN_BLOCKS, groups: int = GN_GROUPS) -> None:
             super().__init__(*(GNResnetBlock(channels, groups) for _ in range(blocks)))
 
-    _GN_CLASSES.update(GNResnetBlock=GNResnetBlock, GNResnetBlocks=GNResnetBlocks)
+    class UNetResnetBlock(GNResnetBlock):
+        """diffusers' ResnetBlock2D with its time embedding (in = out channels, no dropout): the
+        projected embedding is added before norm2, ``norm2(h + proj(silu(temb))[:, :, None,
+        None])``."""
+
+        def __init__(
+            self, channels: int, temb_channels: int = TEMB_CHANNELS, groups: int = GN_GROUPS
+        ) -> None:
+            super().__init__(channels, groups)
+            self.time_emb_proj = nn.Linear(temb_channels, channels)
+
+        def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(self.act(self.norm1(x)))
+            h = h + self.time_emb_proj(self.act(temb))[:, :, None, None]
+            h = self.conv2(self.act(self.norm2(h)))
+            return x + h
+
+    class UNetResnetBlocks(nn.Module):
+        """`blocks` UNetResnetBlock in a row sharing one time embedding, as a UNet stage does:
+        diffusers' TimestepEmbedding (Linear, SiLU, Linear) of the sinusoidal embedding of fixed
+        timesteps, one per sample (a buffer: the batch size is the model's)."""
+
+        def __init__(
+            self,
+            channels: int,
+            batch: int,
+            blocks: int = GN_BLOCKS,
+            groups: int = GN_GROUPS,
+            temb_channels: int = TEMB_CHANNELS,
+        ) -> None:
+            super().__init__()
+            half = channels // 2
+            steps = torch.linspace(0, 999, batch)[:, None]
+            freqs = torch.exp(-math.log(10000.0) * torch.arange(half) / half)[None, :]
+            sinusoid = torch.cat([torch.sin(steps * freqs), torch.cos(steps * freqs)], dim=1)
+            self.register_buffer("timesteps", sinusoid)
+            self.time_embedding = nn.Sequential(
+                nn.Linear(channels, temb_channels),
+                nn.SiLU(),
+                nn.Linear(temb_channels, temb_channels),
+            )
+            self.blocks = nn.ModuleList(
+                UNetResnetBlock(channels, temb_channels, groups) for _ in range(blocks)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            temb = self.time_embedding(self.timesteps)
+            for block in self.blocks:
+                x = block(x, temb)
+            return x
+
+    _GN_CLASSES.update(
+        GNResnetBlock=GNResnetBlock,
+        GNResnetBlocks=GNResnetBlocks,
+        UNetResnetBlock=UNetResnetBlock,
+        UNetResnetBlocks=UNetResnetBlocks,
+    )
     return _GN_CLASSES
 
 
 def gn_resnet_blocks(workload: ModelWorkload) -> torch.nn.Module:
     """GN_BLOCKS diffusers-style ResNet blocks on the workload's channels."""
     return _gn_module_classes()["GNResnetBlocks"](workload.input_shape[1])
+
+
+def unet_resnet_blocks(workload: ModelWorkload) -> torch.nn.Module:
+    """GN_BLOCKS diffusers-style ResNet blocks with a time embedding (batch: the workload's)."""
+    channels, batch = workload.input_shape[1], workload.input_shape[0]
+    return _gn_module_classes()["UNetResnetBlocks"](channels, batch)
 
 
 def resnet50(workload: ModelWorkload) -> torch.nn.Module:
@@ -198,6 +264,7 @@ MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "efficientnet_b0": efficientnet_b0,
     "convnext_tiny": convnext_tiny,
     "gn_resnet_blocks": gn_resnet_blocks,
+    "unet_resnet_blocks": unet_resnet_blocks,
     "llama": llama,
 }
 

@@ -445,6 +445,12 @@ _GN_BLOCKS_TITLE = (
     "8 GroupNorm) training step, fp16, SGD"
 )
 
+_UNET_BLOCKS_TITLE = (
+    "4 diffusers-style ResNet blocks with a time embedding (GroupNorm(32, 320), SiLU, Conv3x3, "
+    "+ projected time embedding, GroupNorm, SiLU, Conv3x3, + residual; 8 GroupNorm, 1280-wide "
+    "embedding) training step, fp16, SGD"
+)
+
 _LLAMA_TITLE = (
     "transformers LlamaForCausalLM (random init, 8 layers, hidden 2048, 17 LlamaRMSNorm, vocab "
     "32000, fed embeddings) training step, bf16, SGD"
@@ -504,6 +510,25 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         model="gn_resnet_blocks",
         input_shape=_SD_GROUPNORM,
         dtype="float16",
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
+        name="unet_blocks_fp16",
+        title=_UNET_BLOCKS_TITLE,
+        model="unet_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
+        name="unet_blocks_fp16_cl",
+        title=_UNET_BLOCKS_TITLE,
+        model="unet_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        dtype="float16",
+        channels_last=True,
         loss="mse",
         lr=1e-5,
     ),

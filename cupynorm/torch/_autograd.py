@@ -45,10 +45,12 @@ def _group_norm_setup(ctx, inputs, output) -> None:
 
 
 def _group_norm_act_setup(ctx, inputs, output) -> None:
-    # the activation's gradient recomputes its input from x, the statistics, weight and bias
-    x, num_groups, weight, bias, _eps, act = inputs
+    # the activation's gradient recomputes its input from x (+ shift), the statistics, weight
+    # and bias
+    x, num_groups, weight, bias, _eps, act, *rest = inputs
+    shift = rest[0] if rest else None
     _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias if act != "identity" else None, mean, rstd)
+    ctx.save_for_backward(x, weight, bias if act != "identity" else None, mean, rstd, shift)
     ctx.num_groups, ctx.act = num_groups, act
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
@@ -184,16 +186,21 @@ def _make_group_norm_backward(bwd, n_inputs: int, affine_at: int):
 
 def _make_group_norm_act_backward(bwd):
     def backward(ctx, dy, *_stat_grads):
-        if dy is None:
-            return (None,) * 6
-        x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        mask = [needs[0], needs[2], needs[3]]
+        if dy is None:
+            return (None,) * len(needs)
+        x, weight, bias, mean, rstd, shift = ctx.saved_tensors
+        # the shift's gradient is that of x + shift summed over the spatial dims
+        dshift_needed = len(needs) > 6 and needs[6]
+        mask = [needs[0] or dshift_needed, needs[2], needs[3]]
         # fmt: off
         dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, bias, ctx.num_groups, mask,
-                                 ctx.act)
+                                 ctx.act, shift)
         # fmt: on
-        return dx, None, dweight, dbias, None, None
+        grads = [dx if needs[0] else None, None, dweight, dbias, None, None]
+        if len(needs) > 6:
+            grads.append(dx.sum(dim=tuple(range(2, dx.dim()))) if dshift_needed else None)
+        return tuple(grads)
 
     return backward
 
@@ -364,9 +371,9 @@ class _RowNormFunction(torch.autograd.Function):
 
 class _GroupNormActFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, num_groups, weight, bias, eps, act):
-        output = _group_norm_act_fwd(x, num_groups, weight, bias, eps, act)
-        _group_norm_act_setup(ctx, (x, num_groups, weight, bias, eps, act), output)
+    def forward(ctx, x, num_groups, weight, bias, eps, act, shift):
+        output = _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift)
+        _group_norm_act_setup(ctx, (x, num_groups, weight, bias, eps, act, shift), output)
         return output
 
     backward = staticmethod(once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd)))

@@ -200,6 +200,24 @@ def check_epilogue(fn: str, input: Tensor, residual: Tensor | None, activation: 
         )
 
 
+def check_shift(fn: str, input: Tensor, shift: Tensor | None) -> None:
+    """The (N, C) values a group norm adds to ``input[n, c]`` before normalizing: a tensor of
+    the input's dtype and device."""
+    if shift is None:
+        return
+    check_tensor(fn, "shift", shift)
+    if input.dim() < 2 or shift.shape != input.shape[:2]:
+        raise InvalidInputError(
+            f"{fn}: expected shift of shape (N, C) = {tuple(input.shape[:2])} for an input of "
+            f"shape {tuple(input.shape)}, got {tuple(shift.shape)}"
+        )
+    if shift.dtype != input.dtype or shift.device != input.device:
+        raise InvalidTypeError(
+            f"{fn}: expected shift of the input's dtype and device ({input.dtype}, "
+            f"{input.device}), got {shift.dtype}, {shift.device}"
+        )
+
+
 def check_row_norm_add_mul(x: Tensor, y: Tensor, eps: float) -> None:
     check_tensor("row_norm_add_mul", "y", y)
     if x.dim() < 1:

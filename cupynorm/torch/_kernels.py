@@ -180,57 +180,67 @@ def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
 # recomputes t from x and the statistics: dt = dy * act'(t) (rounded to x's dtype), then the
 # group norm backward on dt
 # ---------------------------------------------------------------------------------------------
-def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, want_stats=True):
+# With a shift (N, C) (a diffusion block's time embedding), x + shift[n, c] is normalized (the
+# sum in float32 inside the kernels, never stored) and dx is its gradient; the shift's own
+# gradient, dx summed over the spatial dims, is the autograd layer's (_autograd.py).
+def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, want_stats=True):
     """(y, mean, rstd) of the fused op; without ``want_stats`` mean and rstd may be None."""
     x, fmt = _dense(x)
     # fmt: off
     y, mean, rstd = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps,
-                                           want_stats=want_stats, act=act)
+                                           _vec(shift), want_stats=want_stats, act=act)
     # fmt: on
     return y.contiguous(memory_format=fmt), mean, rstd
 
 
-def _group_norm_act_bwd_cuda(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
+def _group_norm_act_bwd_cuda(
+    dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None
+):
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
     # fmt: off
     dx, dweight, dbias = _host().group_norm_act_bwd(dy, x, mean, rstd, _vec(weight), _vec(bias),
-                                                    num_groups, mask, act)
+                                                    num_groups, mask, act, _vec(shift))
     # fmt: on
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask)
 
 
-def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act):
+def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift=None):
     if x.is_cuda:
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act)
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift)
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)
 
 
-def _group_norm_act_output(x, num_groups, weight, bias, eps, act) -> Tensor:
+def _group_norm_act_output(x, num_groups, weight, bias, eps, act, shift=None) -> Tensor:
     """y alone (no autograd)."""
     if x.is_cuda:
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, False)[0]
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)[0]
+        # fmt: off
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
+                                        want_stats=False)[0]
+        # fmt: on
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)[0]
 
 
-def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act):
+def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act, shift=None):
     """The op's CPU kernel."""
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act)
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)
 
 
-def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
-    args = (dy, x, mean, rstd, weight, bias, num_groups, output_mask, act)
+def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None):
+    args = (dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift)
     if x.is_cuda:
         return _group_norm_act_bwd_cuda(*args)
     return _group_norm_act_bwd_reference(*args)
 
 
-def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act):
+def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act, shift=None):
     return _group_norm_fwd_fake(x, num_groups, weight, bias, eps)
 
 
-def _group_norm_act_bwd_fake(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act):
+def _group_norm_act_bwd_fake(
+    dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None
+):
     return _norm_bwd_fake(dy, x, mean, rstd, weight, num_groups, output_mask)
 
 

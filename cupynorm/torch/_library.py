@@ -4,10 +4,10 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
     group_norm_fwd(x, num_groups, weight?, bias?, eps) -> (y, mean, rstd)
     group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
         -> (dx?, dweight?, dbias?)
-    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act) -> (y, mean, rstd)
-                                                                    # y = act(group_norm(x))
-    group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act)
-        -> (dx?, dweight?, dbias?)
+    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act, shift?=None) -> (y, mean, rstd)
+        # y = act(group_norm(x + shift[n, c]))
+    group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act,
+                       shift?=None) -> (dx?, dweight?, dbias?)
     instance_norm_fwd(x, weight?, bias?, running_mean, running_var, momentum, eps)
         -> (y, mean, rstd, new_running_mean, new_running_var)   # group norm with G = C
     batch_norm_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps)
@@ -123,11 +123,11 @@ _SCHEMAS = {
     ),
     "group_norm_act_fwd": (
         "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " str act) -> (Tensor, Tensor, Tensor)"
+        " str act, Tensor? shift=None) -> (Tensor, Tensor, Tensor)"
     ),
     "group_norm_act_bwd": (
         "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
-        " Tensor? bias, int num_groups, bool[3] output_mask, str act)"
+        " Tensor? bias, int num_groups, bool[3] output_mask, str act, Tensor? shift=None)"
         " -> (Tensor?, Tensor?, Tensor?)"
     ),
     "instance_norm_fwd": (

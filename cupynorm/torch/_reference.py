@@ -88,17 +88,27 @@ def _group_norm_fwd_reference(
     eps: float,
     want_var: bool = False,
     act: str = "identity",
+    shift: Tensor | None = None,
 ):
-    """Group norm; with ``act`` (the fused op) y = act(group_norm(x)), one rounding."""
+    """Group norm; with ``act`` (the fused op) y = act(group_norm(x)), one rounding; with a
+    ``shift`` (N, C), of x + shift[n, c] (the sum in the statistics' dtype, not rounded)."""
     n, c = x.shape[0], x.shape[1]
     group_size = (c // num_groups) * math.prod(x.shape[2:])
-    xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, group_size)
+    xs = _shifted(x, shift).reshape(n, num_groups, group_size)
     var, mean = torch.var_mean(xs, dim=-1, correction=0)
     rstd = torch.rsqrt(var + eps)
     xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     y = ACTIVATIONS[act](_affine(xhat, weight, bias, _channel_shape(x)))
     y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
     return (y, mean, rstd, var) if want_var else (y, mean, rstd)
+
+
+def _shifted(x: Tensor, shift: Tensor | None) -> Tensor:
+    """x in the statistics' dtype, plus shift[n, c] when given (its layout kept)."""
+    xs = x.to(_stat_dtype(x.dtype))
+    if shift is None:
+        return xs
+    return xs + shift.to(xs.dtype).reshape(*shift.shape, *([1] * (x.dim() - 2)))
 
 
 def _activation_grad(dy: Tensor, t: Tensor, act: str) -> Tensor:
@@ -122,15 +132,17 @@ def _group_norm_act_bwd_reference(
     num_groups: int,
     output_mask: Sequence[bool],
     act: str,
+    shift: Tensor | None = None,
 ):
     """(dx, dweight, dbias) of y = act(group_norm(x)): t = group_norm(x) recomputed from the
-    statistics, dt = dy * act'(t) rounded to x's dtype, then the group norm backward on dt."""
+    statistics, dt = dy * act'(t) rounded to x's dtype, then the group norm backward on dt.
+    With the forward's shift, x + shift is normalized and dx is its gradient."""
     if act != "identity":
         n = x.shape[0]
-        xs = x.to(_stat_dtype(x.dtype)).reshape(n, num_groups, -1)
+        xs = _shifted(x, shift).reshape(n, num_groups, -1)
         xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
         dy = _activation_grad(dy, _affine(xhat, weight, bias, _channel_shape(x)), act)
-    return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask)
+    return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask, shift)
 
 
 def _group_norm_bwd_reference(
@@ -141,11 +153,12 @@ def _group_norm_bwd_reference(
     weight: Tensor | None,
     num_groups: int,
     output_mask: Sequence[bool],
+    shift: Tensor | None = None,
 ):
     n, c = x.shape[0], x.shape[1]
     shape4 = (n, num_groups, c // num_groups, math.prod(x.shape[2:]))
     stat = _stat_dtype(x.dtype)
-    xs = x.to(stat).reshape(shape4)
+    xs = _shifted(x, shift).reshape(shape4)
     dys = dy.to(stat).reshape(shape4)
     mean4 = mean.reshape(n, num_groups, 1, 1)
     rstd4 = rstd.reshape(n, num_groups, 1, 1)

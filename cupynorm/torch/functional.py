@@ -127,12 +127,13 @@ def _apply_group_norm(x, num_groups, weight, bias, eps) -> Tensor:
     return _group_norm_output(x, num_groups, weight, bias, eps)
 
 
-def _apply_group_norm_act(x, num_groups, weight, bias, eps, act) -> Tensor:
+def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift) -> Tensor:
+    args = (x, num_groups, weight, bias, eps, act, shift)
     if _traced(x):
-        return group_norm_act_fwd_op(x, num_groups, weight, bias, eps, act)[0]
-    if _wants_grad(x, weight, bias):
-        return _GroupNormActFunction.apply(x, num_groups, weight, bias, eps, act)[0]
-    return _group_norm_act_output(x, num_groups, weight, bias, eps, act)
+        return group_norm_act_fwd_op(*args)[0]
+    if _wants_grad(x, weight, bias) or (shift is not None and _wants_grad(shift, None, None)):
+        return _GroupNormActFunction.apply(*args)[0]
+    return _group_norm_act_output(*args)
 
 
 def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:
@@ -288,6 +289,7 @@ def group_norm_act(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     activation: str = "silu",
+    shift: Tensor | None = None,
 ) -> Tensor:
     r"""Group normalization and an activation in one pass: ``activation(group_norm(input, ...))``,
     the norm-activation pair of the diffusion ResNet block.
@@ -301,23 +303,37 @@ def group_norm_act(
     input and longer groups take the strided passes with the activation in the last one. Under
     CUDA autocast the computation runs in float32, as torch's ``group_norm`` then ``silu`` do.
 
+    ``shift`` folds in the add before the norm of diffusers' ResnetBlock2D, its projected time
+    embedding: ``activation(group_norm(input + shift[:, :, None, None], ...))`` for 4-D input
+    (``shift[n, c]`` is added to every value of ``input[n, c]``, whatever the spatial dims). The
+    kernels form the sum in float32 and never store it; torch's unfused add rounds it to the
+    input's dtype and keeps it for the backward, so results agree within that rounding. The
+    shift's gradient is the input gradient summed over the spatial dims.
+
     Args:
         activation: ``"silu"``, ``"relu"`` or ``"identity"``. Default: ``"silu"``
+        shift: tensor of shape :math:`(N, C)` and the input's dtype and device, or None.
+            Default: None
 
     Example::
 
         >>> x = torch.randn(2, 320, 64, 64, device="cuda", requires_grad=True)
         >>> y = cupynorm.torch.group_norm_act(x, 32)        # F.silu(F.group_norm(x, 32))
         >>> y.sum().backward()
+        >>> temb = torch.randn(2, 320, device="cuda")
+        >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
     _checks.check_epilogue("group_norm_act", input, None, activation)
+    _checks.check_shift("group_norm_act", input, shift)
     if not _use_kernels(input):
+        if shift is not None:
+            input = input + shift.reshape(*shift.shape, *([1] * (input.dim() - 2)))
         return ACTIVATIONS[activation](F.group_norm(input, num_groups, weight, bias, eps))
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
     if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
-        input, weight, bias = _float32(input, weight, bias)
-    return _apply_group_norm_act(input, num_groups, weight, bias, eps, activation)
+        input, weight, bias, shift = _float32(input, weight, bias, shift)
+    return _apply_group_norm_act(input, num_groups, weight, bias, eps, activation, shift)
 
 
 def instance_norm(

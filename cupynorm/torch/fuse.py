@@ -10,11 +10,16 @@ The model is traced with :mod:`torch.fx` (norm layers kept as leaves), and in it
 and, for a GroupNorm (torch's or cupynorm's),
 
     gn(x) -> relu | silu                         becomes  GroupNormAct(act)(x)
+    gn(x + t[:, :, None, None]) [-> relu | silu]  becomes  GroupNormAct(act or identity)(x, t)
+
+(the second is diffusers' ResnetBlock2D adding its time embedding before norm2: the add runs in
+the norm's kernels, see :func:`~cupynorm.torch.group_norm_act`'s ``shift``),
 
 where the activation is a ``ReLU``/``SiLU`` module, ``F.relu``/``F.silu``/``torch.relu`` or the
-``relu``/``relu_`` method, and the BatchNorm's output (and the sum) has no other user. The
-norm module object itself becomes the fused module (its class is reassigned, as
-:func:`replace_norms` does): parameters, buffers and ``state_dict`` keys stay. Every other norm is
+``relu``/``relu_`` method, and the BatchNorm's output (and the sum; the GroupNorm's output, and
+its shifted input) has no other user. The norm module object itself becomes the fused module
+(its class is reassigned, as :func:`replace_norms` does): parameters, buffers and
+``state_dict`` keys stay. Every other norm is
 converted by :func:`replace_norms`; a norm-plus-activation subclass it converts with its ``drop``
 and ``act`` tail (timm's ``GroupNormAct``/``GroupNorm1Act``) runs the fused GroupNorm kernel when
 ``drop`` is an ``Identity`` and ``act`` a ``ReLU``/``SiLU`` module (checked per call).
@@ -84,6 +89,30 @@ def _residual(node: fx.Node, source: fx.Node) -> fx.Node | None:
     return other if isinstance(other, fx.Node) and other is not source else None
 
 
+_ALL = slice(None)
+
+
+def _time_embedding(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(x, t, the indexing node) when ``node`` is ``x + t[:, :, None, None]`` (either order, not
+    in place), else None."""
+    plain_add = (node.op == "call_function" and node.target in (operator.add, torch.add)) or (
+        node.op == "call_method" and node.target == "add"
+    )
+    if not plain_add or len(node.args) != 2 or node.kwargs:
+        return None
+    for x, t in (node.args, node.args[::-1]):
+        if (
+            isinstance(x, fx.Node)
+            and isinstance(t, fx.Node)
+            and t.op == "call_function"
+            and t.target is operator.getitem
+            and isinstance(t.args[0], fx.Node)
+            and t.args[1] == (_ALL, _ALL, None, None)
+        ):
+            return x, t.args[0], t
+    return None
+
+
 def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -136,7 +165,8 @@ def _fuse_graph(gm: fx.GraphModule, prefix: str, report: list[str] | None) -> in
 
 
 def _fuse_group_norm_graph(gm: fx.GraphModule, prefix: str, report: list[str] | None) -> int:
-    """Fold the activation that alone uses a GroupNorm's output into it (GroupNormAct)."""
+    """Fold the activation that alone uses a GroupNorm's output, and a time embedding added to
+    its input that nothing else uses, into it (GroupNormAct)."""
     mods = dict(gm.named_modules())
     calls = Counter(n.target for n in gm.graph.nodes if n.op == "call_module")
     fused = 0
@@ -148,21 +178,28 @@ def _fuse_group_norm_graph(gm: fx.GraphModule, prefix: str, report: list[str] | 
             continue
         if calls[node.target] != 1 or len(node.args) != 1 or node.kwargs:
             continue
+        (source,) = node.args
+        shifted = None
+        if isinstance(source, fx.Node) and _only_user(source) is node:
+            shifted = _time_embedding(source)
         user = _only_user(node)
         act = _activation(user, node, mods) if user is not None else None
-        if act is None:
+        if act is None and shifted is None:
             continue
         gn = mods[node.target]
         gn.__class__ = modules.GroupNormAct
-        gn.activation = act
-        with gm.graph.inserting_after(user):
-            new = gm.graph.call_module(node.target, node.args)
-        user.replace_all_uses_with(new)
-        gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
+        gn.activation = act or "identity"
+        last = user if act is not None else node
+        with gm.graph.inserting_after(last):
+            new = gm.graph.call_module(node.target, shifted[:2] if shifted else node.args)
+        last.replace_all_uses_with(new)
+        for dead in (last, node, source, shifted[2] if shifted else None):
+            if isinstance(dead, fx.Node) and dead in gm.graph.nodes and not dead.users:
+                gm.graph.erase_node(dead)
         fused += 1
         if report is not None:
-            report.append(f"{prefix}{node.target} + {act}")
+            parts = [node.target] + ["shift"] * (shifted is not None) + [act] * (act is not None)
+            report.append(prefix + " + ".join(parts))
     if fused:
         gm.graph.lint()
         gm.recompile()

@@ -341,12 +341,18 @@ class GroupNormAct(GroupNorm):
     :class:`torch.nn.GroupNorm`) with the same parameters and ``state_dict``;
     :func:`cupynorm.torch.fuse` puts it in place of a GroupNorm whose activation it absorbs.
 
+    ``forward(input, shift=None)``: with a ``shift``, ``activation(group_norm(input +
+    shift[:, :, None, None]))`` (diffusers' ResnetBlock2D adds its time embedding so before
+    norm2; :func:`cupynorm.torch.fuse` folds that add into this module). The add runs in the
+    fused kernel when ``input`` is 4-D and ``shift`` is ``(N, C)`` of its dtype and device, and
+    as written otherwise.
+
     Args:
         *args, **kwargs: :class:`torch.nn.GroupNorm`'s.
         activation: ``"silu"``, ``"relu"`` or ``"identity"``. Default: ``"silu"``
 
     Shape:
-        - Input: :math:`(N, C, *)`
+        - Input: :math:`(N, C, *)`; shift: :math:`(N, C)`
         - Output: same shape (and memory format) as the input
 
     Example::
@@ -354,6 +360,8 @@ class GroupNormAct(GroupNorm):
         >>> m = cupynorm.torch.GroupNormAct(32, 320).cuda()
         >>> x = torch.randn(2, 320, 64, 64, device="cuda")
         >>> y = m(x)                    # silu(group_norm(x))
+        >>> temb = torch.randn(2, 320, device="cuda")
+        >>> y = m(x, temb)              # silu(group_norm(x + temb[:, :, None, None]))
     """
 
     activation: str
@@ -362,14 +370,21 @@ class GroupNormAct(GroupNorm):
         super().__init__(*args, **kwargs)
         self.activation = activation
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, shift: Tensor | None = None) -> Tensor:
         # Under torch.compile too (unlike BatchNormAct2d, whose add and activation Inductor fuses
         # with their neighbours): the activation after a GroupNorm has no neighbour Inductor
         # could fuse it into but the norm, an opaque op here, so the fused op saves a pass.
         # To be measured on the GPU (benchmarks/NOTES.md).
+        if shift is not None and not (
+            input.dim() == 4
+            and shift.shape == input.shape[:2]
+            and shift.dtype == input.dtype
+            and shift.device == input.device
+        ):  # the add as written (broadcasting, type promotion), then the fused norm
+            input, shift = input + shift[:, :, None, None], None
         # fmt: off
         return group_norm_act(input, self.num_groups, self.weight, self.bias, self.eps,
-                              self.activation)
+                              self.activation, shift)
         # fmt: on
 
     def extra_repr(self) -> str:
