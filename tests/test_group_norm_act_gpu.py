@@ -106,7 +106,10 @@ def test_group_norm_act_matches_unfused(dtype, act, params, shape, groups, fmt):
         _close(w.grad, wd.grad, dtype, "dweight")
         _close(b.grad, bd.grad, dtype, "dbias")
         assert w.grad.dtype == w.dtype and b.grad.dtype == b.dtype
-    # and torch's unfused sequence in the input's dtype: within the same bound of float64
+    # and torch's unfused sequence in the input's dtype: ours is no further from float64 than
+    # it (up to a quarter of the tolerance). Not "ours within 2x TOL of torch's": torch rounds
+    # the norm's output before the activation, and on groups of a few values in fp16 its own
+    # error reached 2.4x TOL in 200 draws where ours stayed under 0.25x (benchmarks/NOTES.md)
     xt = x.detach().clone().requires_grad_()
     try:
         yt = ACTS[act](F.group_norm(xt, groups, w, b, 1e-5))
@@ -117,8 +120,9 @@ def test_group_norm_act_matches_unfused(dtype, act, params, shape, groups, fmt):
             raise
         return
     yt.backward(dy)
-    _close(y.detach(), yt.detach(), dtype, "y vs torch", factor=2)
-    _close(x.grad, xt.grad, dtype, "dx vs torch", factor=2)
+    for ours, theirs, ref, what in ((y, yt, yd, "y"), (x.grad, xt.grad, xd.grad, "dx")):
+        err, torch_err = _err(ours.detach(), ref.detach()), _err(theirs.detach(), ref.detach())
+        assert err <= max(1.5 * torch_err, TOL[dtype] / 4), f"{what}: {err:.2e} vs {torch_err:.2e}"
 
 
 def test_group_norm_act_equals_cupynorm_unfused_in_float32():
@@ -289,10 +293,21 @@ def test_group_norm_act_shift_matches_unfused(dtype, shape, groups, fmt):
     yd = F.silu(F.group_norm(xd + sd[:, :, None, None], groups, wd, bd, 1e-5))
     yd.backward(dy.double())
     _close(y.detach(), yd.detach(), dtype, "y")
-    names = ("dx", "dweight", "dbias", "dshift")
-    for ours, ref, what in zip((x, w, b, shift), leaves, names, strict=True):
+    names = ("dx", "dweight", "dbias")
+    for ours, ref, what in zip((x, w, b), leaves, names, strict=True):
         _close(ours.grad, ref.grad, dtype, what)
     assert shift.grad.dtype == shift.dtype
+    # the shift's gradient sums the input gradient, rounded to the input's dtype, over the
+    # spatial dims, as torch's add does: in half precision that sum of a few hundred thousand
+    # rounded values is no more accurate than torch's own, which is the bound
+    bound = TOL[dtype]
+    if dtype in ("float16", "bfloat16"):
+        xt, st = x.detach().clone().requires_grad_(), shift.detach().clone().requires_grad_()
+        wt, bt = w.detach().to(xt.dtype), b.detach().to(xt.dtype)
+        F.silu(F.group_norm(xt + st[:, :, None, None], groups, wt, bt, 1e-5)).backward(dy)
+        bound = max(bound, 1.5 * _err(st.grad, sd.grad))
+    err = _err(shift.grad, sd.grad)
+    assert err <= bound, f"dshift: relative error {err:.2e} > {bound:.2e}"
 
 
 def test_group_norm_act_shift_under_autocast():
