@@ -294,7 +294,7 @@ def test_group_norm_act_shift_matches_unfused(dtype, shape, groups, fmt):
     yd.backward(dy.double())
     _close(y.detach(), yd.detach(), dtype, "y")
     names = ("dx", "dweight", "dbias")
-    for ours, ref, what in zip((x, w, b), leaves, names, strict=True):
+    for ours, ref, what in zip((x, w, b), leaves[:3], names, strict=True):
         _close(ours.grad, ref.grad, dtype, what)
     assert shift.grad.dtype == shift.dtype
     # the shift's gradient sums the input gradient, rounded to the input's dtype, over the
