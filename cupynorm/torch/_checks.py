@@ -185,36 +185,32 @@ def check_epilogue(fn: str, input: Tensor, residual: Tensor | None, activation: 
             f"{fn}: expected activation to be one of {', '.join(map(repr, ACTIVATIONS))}, "
             f"got {activation!r}"
         )
-    if residual is None:
-        return
-    check_tensor(fn, "residual", residual)
-    if residual.shape != input.shape:
-        raise InvalidInputError(
-            f"{fn}: expected residual of the input's shape {tuple(input.shape)}, "
-            f"got {tuple(residual.shape)}"
-        )
-    if residual.dtype != input.dtype or residual.device != input.device:
-        raise InvalidTypeError(
-            f"{fn}: expected residual of the input's dtype and device ({input.dtype}, "
-            f"{input.device}), got {residual.dtype}, {residual.device}"
-        )
+    _check_operand(fn, "residual", residual, input, input.shape, "of the input's shape")
 
 
 def check_shift(fn: str, input: Tensor, shift: Tensor | None) -> None:
     """The (N, C) values a group norm adds to ``input[n, c]`` before normalizing: a tensor of
     the input's dtype and device."""
-    if shift is None:
+    shape = input.shape[:2]
+    _check_operand(fn, "shift", shift, input, shape, f"of shape (N, C) = {tuple(shape)}")
+
+
+def _check_operand(
+    fn: str, name: str, t: Tensor | None, input: Tensor, shape: tuple, expected: str
+) -> None:
+    """A second tensor operand of a fused op (None: absent): ``shape``, input's dtype and device."""
+    if t is None:
         return
-    check_tensor(fn, "shift", shift)
-    if input.dim() < 2 or shift.shape != input.shape[:2]:
+    check_tensor(fn, name, t)
+    if t.shape != shape:
         raise InvalidInputError(
-            f"{fn}: expected shift of shape (N, C) = {tuple(input.shape[:2])} for an input of "
-            f"shape {tuple(input.shape)}, got {tuple(shift.shape)}"
+            f"{fn}: expected {name} {expected} for an input of shape {tuple(input.shape)}, "
+            f"got {tuple(t.shape)}"
         )
-    if shift.dtype != input.dtype or shift.device != input.device:
+    if t.dtype != input.dtype or t.device != input.device:
         raise InvalidTypeError(
-            f"{fn}: expected shift of the input's dtype and device ({input.dtype}, "
-            f"{input.device}), got {shift.dtype}, {shift.device}"
+            f"{fn}: expected {name} of the input's dtype and device ({input.dtype}, "
+            f"{input.device}), got {t.dtype}, {t.device}"
         )
 
 
