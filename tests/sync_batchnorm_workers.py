@@ -1,7 +1,8 @@
 """Multi-process cases of cupynorm.torch.SyncBatchNorm, shared by the CPU and GPU tests.
 
-:func:`run_cases` spawns ``world`` processes once (torch.multiprocessing, a gloo group set up
-through a file store in a temporary folder: no port to pick), each runs every case of
+:func:`run_cases` spawns ``world`` processes once (torch.multiprocessing, a process group set up
+through a file store in a temporary folder: no port to pick; gloo, or NCCL with one GPU per
+rank), each runs every case of
 :data:`CASES` on its slice of one global batch and writes, per case, ``"ok"`` or the traceback;
 the tests then assert per case and rank. Checks record their failures (:func:`_check`,
 :func:`_close`) instead of raising, so a rank that finds a mismatch still joins the collectives
@@ -299,7 +300,8 @@ def case_ddp_training_step(rank, world, device):
     model = cnt.SyncBatchNorm.convert_sync_batchnorm(_small_cnn(0)).to(device, torch.float64)
     x, dy = _slice(x_all, sizes, rank).to(device), _slice(dy_all, sizes, rank).to(device)
     if device == "cuda":
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+        ids = [torch.cuda.current_device()]
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         ddp(x).backward(dy)
     else:  # DDP refuses SyncBatchNorm layers on the CPU (torch's check): average as it does
         import torch.distributed as dist
@@ -367,22 +369,24 @@ CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswi
 # ---------------------------------------------------------------------------------------------
 # spawning
 # ---------------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, store: str, out: str, device: str) -> None:
+def _worker(rank: int, world: int, store: str, out: str, device: str, backend: str) -> None:
     import torch.distributed as dist
 
     results = {}
-    if device == "cuda":  # both processes share the one GPU; gloo carries the CUDA tensors
+    kwargs = {}
+    if device == "cuda":  # gloo: the processes share GPU 0; NCCL: rank r runs on GPU r
         from conftest import _assert_identical, poison_torch_allocator
 
         from cupynorm import _program
 
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank if backend == "nccl" else 0)
+        if backend == "nccl":
+            kwargs["device_id"] = torch.device("cuda", rank)
         poison_torch_allocator()
         _program.check_replay = _assert_identical  # every recorded call replayed and compared
-    backend = "gloo"
     dist.init_process_group(
         backend, init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S), **kwargs,
     )  # fmt: skip
     try:
         torch.manual_seed(rank)
@@ -399,12 +403,15 @@ def _worker(rank: int, world: int, store: str, out: str, device: str) -> None:
         dist.destroy_process_group()
 
 
-def run_cases(world: int, folder: Path, device: str = "cpu") -> list[dict[str, str]]:
-    """Run every case on ``world`` processes; per rank, {case: "ok" or the traceback}."""
+def run_cases(
+    world: int, folder: Path, device: str = "cpu", backend: str = "gloo"
+) -> list[dict[str, str]]:
+    """Run every case on ``world`` processes; per rank, {case: "ok" or the traceback}. With
+    ``backend="nccl"`` (device "cuda") rank r runs on GPU r: ``world`` GPUs are needed."""
     import torch.multiprocessing as mp
 
     store = folder / "store"
-    args = (world, str(store), str(folder), device)
+    args = (world, str(store), str(folder), device, backend)
     context = mp.spawn(_worker, args=args, nprocs=world, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     try:
