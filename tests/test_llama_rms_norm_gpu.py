@@ -155,7 +155,12 @@ def test_backward_matches_float64_and_transformers(dtype, rows_id):
         err = (ours.double() - ref).abs().max().item()
         hf_err = (hf.double() - ref).abs().max().item()
         scale = ref.abs().max().item()
-        assert err <= max(1.5 * hf_err, TOL[dtype] * scale * 0.1), (err, hf_err, scale)
+        # a result rounded to bf16 is up to half an ulp off wherever its value lies, so the max
+        # error of a correct result reaches ~0.5 eps * scale; transformers' stayed lower in one
+        # draw (0.0020 against our 0.0038 at scale 1.12), which says nothing about either
+        rounding = 0.55 * torch.finfo(ours.dtype).eps * scale
+        bound = max(1.5 * hf_err, TOL[dtype] * scale * 0.1, rounding)
+        assert err <= bound, (err, hf_err, scale)
 
 
 def test_dweight_sums_the_rounded_xhat():
