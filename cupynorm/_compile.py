@@ -35,6 +35,7 @@ SOURCE_FILES: tuple[str, ...] = (
     "fused_norm.cu",
     "channel_norm.cu",
     "row_norm.cu",
+    "sync_norm.cu",
 )
 #: the source whose kernels are launched cooperatively (every CTA resident: grid barriers inside)
 COOPERATIVE_SOURCE = "single_launch_norm.cu"

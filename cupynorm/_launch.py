@@ -21,6 +21,7 @@ _STRIDED = "strided_norm.cu"
 _SINGLE = "single_launch_norm.cu"
 _FUSED = "fused_norm.cu"
 _ROWS = "row_norm.cu"
+_SYNC = "sync_norm.cu"
 
 _NULL = np.uint64(0)
 _ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}

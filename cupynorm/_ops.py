@@ -26,6 +26,7 @@ from ._launch import (
     _ROWS,
     _SEGMENT,
     _STRIDED,
+    _SYNC,
     _Call,
     _prepare,
     _resident_grid,
@@ -664,25 +665,69 @@ def row_norm_bwd(
 # them across ranks (cupynorm/torch/sync_batchnorm.py), and the elementwise pass runs with the
 # merged values. The kernels are the strided family's; nothing here communicates.
 @_programmed
-def batch_norm_partial_stats(x: Any) -> tuple:
-    """(mean (C,), var (C,)) of this rank's x over its N * prod(spatial) values per channel,
-    the biased variance: with that count, the (count, mean, M2 = var * count) triple a
-    synchronised batch norm merges across ranks. Empty x: zeros (a triple of count 0)."""
+def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
+    """(rows,): a (world, 2C + 1) float64 buffer whose row ``rank`` is this rank's (count, mean
+    (C,), biased var (C,)) over its N * prod(spatial) values per channel, every other row zero:
+    all-reduced (summed) across the ranks it holds every rank's triple (count, mean, M2 = var *
+    count) for :func:`sync_batch_norm_merge`. Empty x: a row of zeros (count 0 weighs nothing)."""
     call = _Call(x)
     x, layout = _prepare(x, call.bk)
     N, C, S, layout = _per_channel_layout(x, layout)
-    mean, var = call.stats((C,), x), call.stats((C,), x)
-    if N * C * S == 0:
-        call.bk.fill_zero(mean)
-        call.bk.fill_zero(var)
-        return mean, var
-    if layout == "contiguous":
-        partials = _stats_rows(call, x, C, N, S, C * S, S)
-    else:
-        partials = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
-    rstd = call.stats((C,), x)  # written by the finalize, not needed: scratch
-    _finalize(call, x, partials, C, N * S, 0.0, mean, rstd, var)
-    return mean, var
+    rows = call.bk.empty((world, 2 * C + 1), "float64", x)
+    mean = var = None
+    if N * C * S:
+        if layout == "contiguous":
+            partials = _stats_rows(call, x, C, N, S, C * S, S)
+        else:
+            partials = _stats_cols(call, x, 1, N * S, C, 0, 0, 1)
+        mean, rstd, var = (call.stats((C,), x) for _ in range(3))  # rstd: scratch
+        _finalize(call, x, partials, C, N * S, 0.0, mean, rstd, var)
+    total = world * (2 * C + 1)
+    # fmt: off
+    call.launch(_SYNC, "sync_norm_pack_row", min(-(-total // 256), 4096), (256,), (
+        call.ptr(mean), call.ptr(var), call.ptr(rows), np.int64(C), np.int64(world),
+        np.int64(rank), np.float64(N * S if C else 0)))
+    # fmt: on
+    return (rows,)
+
+
+@_programmed
+def sync_batch_norm_merge(
+    x: Any, rows: Any, running_mean: Any, running_var: Any, eps: float, momentum: float
+) -> tuple:
+    """(mean (C,), rstd (C,), count (1,) float64) of the union of the ranks' values from the
+    all-reduced ``rows`` of :func:`sync_batch_norm_rows` (Chan's merge in rank order, float64),
+    the running statistics (either may be None) updated in place as torch does. ``x``: this
+    rank's input, for its dtype (the statistics' is the accumulator's) and channel count."""
+    call = _Call(x, running_mean if running_mean is not None else running_var)
+    C, world = x.shape[1], rows.shape[0]
+    mean, rstd = call.stats((C,), x), call.stats((C,), x)
+    count = call.bk.empty((1,), "float64", x)
+    if running_mean is not None or running_var is not None:
+        call.mutates_inputs()
+    # fmt: off
+    call.launch(_SYNC, "sync_norm_merge", max(1, -(-C // 256)), (256,), (
+        call.ptr(rows), np.int64(C), np.int64(world), np.float64(eps), np.float64(momentum),
+        call.ptr(mean), call.ptr(rstd), call.ptr(count), call.ptr(running_mean),
+        call.ptr(running_var)))
+    # fmt: on
+    return mean, rstd, count
+
+
+@_programmed
+def sync_batch_norm_bwd_coeffs(totals: Any, rstd: Any, weight: Any, count: Any) -> tuple:
+    """(u (C,), v (C,)): the dx coefficients of :func:`batch_norm_bwd_dx` from the sums over
+    every rank, ``totals`` (2, C) = (sum dy, sum dy * xhat), and the global count (1,) float64
+    of :func:`sync_batch_norm_merge`: u = -rstd^2 w Q / n, v = -rstd w P / n."""
+    call = _Call(rstd, weight)
+    C = rstd.shape[0]
+    u, v = call.stats((C,), rstd), call.stats((C,), rstd)
+    # fmt: off
+    call.launch(_SYNC, "sync_norm_bwd_coeffs", max(1, -(-C // 256)), (256,), (
+        call.ptr(totals), call.ptr(rstd), call.ptr(weight), call.ptr(count), np.int64(C),
+        call.ptr(u), call.ptr(v)))
+    # fmt: on
+    return u, v
 
 
 @_programmed

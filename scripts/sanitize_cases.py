@@ -126,6 +126,19 @@ def main() -> None:
         ref = F.relu(F.batch_norm(x.float(), None, None, w, b, True) + z.float())
         close(y, ref, tol * 3)
         _ops.batch_norm_act_bwd(dy, x, m, r, w, True, (True, True, True, True), z, b, "relu")
+        # SyncBatchNorm's steps around its collectives, for 3 "ranks" in one process (the sum of
+        # their rows is the all_reduce): rank 1 empty; merged statistics against the whole batch
+        parts = [torch.randn(n, 5, 3, 4, device="cuda", dtype=dtype) for n in (2, 0, 3)]
+        rows = sum(_ops.sync_batch_norm_rows(t, i, 3)[0] for i, t in enumerate(parts))
+        rm, rv = torch.zeros(5, device="cuda"), torch.ones(5, device="cuda")
+        mean, rstd, count = _ops.sync_batch_norm_merge(parts[0], rows, rm, rv, 1e-5, 0.1)
+        whole = torch.cat(parts).float()
+        var, ref_mean = torch.var_mean(whole, dim=(0, 2, 3), correction=0)
+        close(mean, ref_mean)
+        close(rstd, torch.rsqrt(var + 1e-5), 1e-3)
+        assert count.item() == whole.numel() // 5
+        totals = torch.randn(2, 5, device="cuda")
+        _ops.sync_batch_norm_bwd_coeffs(totals, rstd, torch.rand(5, device="cuda"), count)
     torch.cuda.synchronize()
     print("sanitize cases: all results match torch")
 

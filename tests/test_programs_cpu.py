@@ -313,6 +313,40 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
     assert (grads[3] is dy) == with_residual
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["rows", "empty-rank"])
+def test_sync_batch_norm_steps_are_one_launch_each_around_the_collectives(launches, empty) -> None:
+    """SyncBatchNorm's CUDA steps: the rank's row after the statistics passes (an empty rank:
+    the row kernel alone, count 0, no statistics), the merge (running statistics in place, so a
+    mutating program), the dx coefficients from the summed (P, Q) and the merged count."""
+    x, w, _b, rm, rv = _bn_cl((0 if empty else 4, 16, 5, 7))
+    (rows,) = _ops.sync_batch_norm_rows(x, 1, 3)
+    assert rows.shape == (3, 33) and rows.dtype == torch.float64
+    kernels = [k for k, *_ in launches]
+    stats = [] if empty else ["strided_norm_stats_cols", "strided_norm_finalize"]
+    assert kernels == [*stats, "sync_norm_pack_row"]
+    mean_ptr, var_ptr, rows_ptr, c, world, rank, count = launches[-1][-1]
+    assert (rows_ptr, c, world, rank, count) == (rows.data_ptr(), 16, 3, 1, 0 if empty else 140)
+    if empty:
+        assert mean_ptr == var_ptr == 0
+    else:  # the finalize's mean and var outputs are what the row kernel reads
+        finalize_args = launches[1][-1]
+        assert mean_ptr == finalize_args[5] and var_ptr == finalize_args[7]
+    launches.clear()
+    mean, rstd, count = _ops.sync_batch_norm_merge(x, rows, rm, rv, 1e-5, 0.1)
+    ((kernel, _, _, _, args),) = launches
+    assert kernel == "sync_norm_merge" and mean.shape == rstd.shape == (16,)
+    assert count.shape == (1,) and count.dtype == torch.float64
+    assert args[:3] == [rows.data_ptr(), 16, 3] and args[-2:] == [rm.data_ptr(), rv.data_ptr()]
+    assert [p for p in _program._PROGRAMS.values() if p.mutating]
+    launches.clear()
+    totals = torch.rand(2, 16)
+    u, v = _ops.sync_batch_norm_bwd_coeffs(totals, rstd, w, count)
+    ((kernel, _, _, _, args),) = launches
+    assert kernel == "sync_norm_bwd_coeffs" and u.shape == v.shape == (16,)
+    ptrs = [totals.data_ptr(), rstd.data_ptr(), w.data_ptr(), count.data_ptr(), 16]
+    assert args == [*ptrs, u.data_ptr(), v.data_ptr()]
+
+
 @pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
 def test_fused_group_norm_launches_the_fused_passes(launches, fmt) -> None:
     """silu(group_norm(x)): NCHW groups on chip in one launch (the SiLU segment kernel), other

@@ -100,6 +100,7 @@ NORM_KERNEL_PATTERNS = (
     "fused_norm_",
     "channel_norm_",
     "row_norm_",
+    "sync_norm_",
 )
 
 

@@ -29,15 +29,18 @@ offers on CUDA tensors (NCCL, and gloo, which has no ``all_gather_into_tensor``;
 sizes differ between ranks (a rank may have none: its row has ``n_i = 0`` and weighs nothing);
 summed moments would need E[x²]. It moves ``world`` times an all-gather's bytes, ``8 * world *
 (2C + 1)`` -- 262 KB for C = 2048 on 8 ranks: latency-bound either way. Float64 keeps counts
-exact past 2**24 values per channel and the merge's rounding below float32's; the merge is a
-few torch operations on ``(world, C)`` tensors, in a fixed order (deterministic).
+exact past 2**24 values per channel and the merge's rounding below float32's; the merge walks
+the rows in rank order (deterministic).
 **Per backward, one collective** (when the input needs a gradient, as torch): an
 ``all_reduce(SUM)`` of ``(P, Q)`` packed in one ``(2, C)`` buffer of the statistics' dtype.
 
-The rank-local passes are cupynorm's strided kernels (``cupynorm._ops.batch_norm_partial_stats``,
+The rank-local passes are cupynorm's strided kernels (``cupynorm._ops.sync_batch_norm_rows``,
 ``batch_norm_apply``, ``batch_norm_bwd_sums``, ``batch_norm_bwd_dx``): fp32 accumulation (fp64
 for float64 input), fixed-order merges, no float atomics: a rank's sums are bitwise
-reproducible, and the sums over ranks as reproducible as the backend's all_reduce. On CPU
+reproducible, and the sums over ranks as reproducible as the backend's all_reduce. On CUDA the
+steps around the collectives are one kernel each (``cuda_src/sync_norm.cu``: the rank's row,
+the merge with the running update, the dx coefficients), where a chain of ~30 torch operations
+per layer and step paced every rank's host. On CPU
 tensors the same passes are plain torch operations, so the layer runs with the gloo backend on
 the CPU (and is tested there) -- where ``torch.nn.SyncBatchNorm`` refuses CPU input.
 ``DistributedDataParallel`` itself refuses SyncBatchNorm layers on the CPU (its check sees the
@@ -61,7 +64,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks
-from ._kernels import _dense, _host, _vec
+from ._kernels import _dense, _host, _vec, _write_back
 from ._reference import _channel_shape, _layout, _stat_dtype
 from .functional import batch_norm
 from .modules import _BatchNormForward
@@ -77,9 +80,8 @@ def _reduce_dims(x: Tensor) -> list[int]:
 
 
 def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-channel (mean, biased var) of this rank's non-empty x, in the statistics' dtype."""
-    if x.is_cuda:
-        return _host().batch_norm_partial_stats(_dense(x)[0])
+    """Per-channel (mean, biased var) of this rank's non-empty x, in the statistics' dtype
+    (torch operations: the CUDA path writes them into its row in :func:`_gather_stats`)."""
     var, mean = torch.var_mean(x.to(_stat_dtype(x.dtype)), dim=_reduce_dims(x), correction=0)
     return mean, var
 
@@ -130,15 +132,19 @@ def _local_dx(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, u, v) -
 def _gather_stats(x: Tensor, group: Any, world_size: int) -> Tensor:
     """Every rank's row (n_i, mean_i[C], var_i[C]) as a (world, 2C + 1) float64 tensor: one
     all_reduce of a zeroed buffer holding this rank's row in its slot."""
-    c = x.shape[1]
-    rows = torch.zeros((world_size, 2 * c + 1), dtype=torch.float64, device=x.device)
-    count = x.numel() // c
-    if count:  # an empty rank leaves its row zero: count 0 weighs nothing in the merge
-        mean, var = _local_stats(x)
-        row = rows[dist.get_rank(group)]
-        row[0] = count
-        row[1 : c + 1] = mean
-        row[c + 1 :] = var
+    rank = dist.get_rank(group)
+    if x.is_cuda:  # the statistics' kernels, then one that writes the row and zeros the rest
+        (rows,) = _host().sync_batch_norm_rows(_dense(x)[0], rank, world_size)
+    else:
+        c = x.shape[1]
+        rows = torch.zeros((world_size, 2 * c + 1), dtype=torch.float64, device=x.device)
+        count = x.numel() // c
+        if count:  # an empty rank leaves its row zero: count 0 weighs nothing in the merge
+            mean, var = _local_stats(x)
+            row = rows[rank]
+            row[0] = count
+            row[1 : c + 1] = mean
+            row[c + 1 :] = var
     dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
     return rows
 
@@ -163,14 +169,38 @@ def _update_running(running: Tensor | None, value: Tensor, momentum: float) -> N
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
+def _merged_stats(x, rows, running_mean, running_var, eps, momentum):
+    """(mean, rstd) in the statistics' dtype and the global count (float64) from the gathered
+    rows; the running statistics updated (unbiased variance over the global count)."""
+    if x.is_cuda:  # one kernel for the merge, the running update and rstd
+        rm, rv = _vec(running_mean), _vec(running_var)
+        merged = _host().sync_batch_norm_merge(x, rows, rm, rv, eps, momentum)
+        if running_mean is not None:
+            _write_back(running_mean, rm)
+        if running_var is not None:
+            _write_back(running_var, rv)
+        return merged
+    stat = _stat_dtype(x.dtype)
+    mean, var, count = _merge(rows)
+    _update_running(running_mean, mean, momentum)
+    _update_running(running_var, var * (count / (count - 1)), momentum)
+    return mean.to(stat), torch.rsqrt(var + eps).to(stat), count
+
+
+def _dx_coefficients(totals: Tensor, rstd: Tensor, weight, count: Tensor):
+    """(u, v) of the dx pass from the sums over every rank, totals = (sum dy, sum dy * xhat)."""
+    if totals.is_cuda:
+        return _host().sync_batch_norm_bwd_coeffs(totals, rstd, _vec(weight), count)
+    n = count.to(rstd.dtype)
+    gain = rstd if weight is None else rstd * weight.to(rstd.dtype)
+    return -rstd * gain * totals[1] / n, -gain * totals[0] / n
+
+
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):
-        stat = _stat_dtype(x.dtype)
-        mean, var, count = _merge(_gather_stats(x, group, world))
-        _update_running(running_mean, mean, momentum)
-        _update_running(running_var, var * (count / (count - 1)), momentum)
-        mean, rstd = mean.to(stat), torch.rsqrt(var + eps).to(stat)
+        rows = _gather_stats(x, group, world)
+        mean, rstd, count = _merged_stats(x, rows, running_mean, running_var, eps, momentum)
         y = _local_apply(x, weight, bias, mean, rstd) if x.numel() else torch.empty_like(x)
         ctx.save_for_backward(x, weight, mean, rstd, count)
         ctx.group = group
@@ -192,10 +222,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_dx:
             totals = torch.stack((sum_dy, sum_dy_xhat))
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
-            n = count.to(rstd.dtype)
-            gain = rstd if weight is None else rstd * weight.to(rstd.dtype)
-            u = -rstd * gain * totals[1] / n
-            v = -gain * totals[0] / n
+            u, v = _dx_coefficients(totals, rstd, weight, count)
             dx = _local_dx(dy, x, mean, rstd, weight, u, v) if x.numel() else torch.zeros_like(x)
         grad_dtype = rstd.dtype if weight is None else weight.dtype
         if need_dweight:
