@@ -7,8 +7,9 @@ SyncBatchNorm's collectives.
     python scripts/bench_sync_batchnorm.py --spawn 2 --backend gloo   # 2 processes, one GPU
 
 Each variant: ``convert_sync_batchnorm`` (torch's or cupynorm's) on a fresh resnet50 (same
-seed), DistributedDataParallel, SGD; ``--warmup`` steps, then ``--steps`` steps each timed with
-CUDA events (median reported). "collectives" times every ``torch.distributed`` collective called
+seed), DistributedDataParallel, SGD; ``--warmup`` steps; then ``--rounds`` rounds that alternate
+the variants, ``--steps`` steps each, every step timed with CUDA events (median over the
+rounds). "collectives" times every ``torch.distributed`` collective called
 from Python during the timed steps -- SyncBatchNorm's (torch's all_gather + all_reduce, or
 cupynorm's two all_reduce), not DDP's gradient all-reduce, which runs in C++ -- between CUDA
 events on the current stream around each call (gloo blocks the host: its copies are inside).
@@ -71,14 +72,16 @@ def _model(variant: str, device: torch.device, rank: int) -> torch.nn.Module:
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50()
-    convert = {"torch": torch.nn.SyncBatchNorm, "cupynorm": cnt.SyncBatchNorm}[variant]
-    model = convert.convert_sync_batchnorm(model)
+    if variant != "unsynced":  # unsynced: torch's BatchNorm2d, each rank its own statistics
+        convert = {"torch": torch.nn.SyncBatchNorm, "cupynorm": cnt.SyncBatchNorm}[variant]
+        model = convert.convert_sync_batchnorm(model)
     model = model.to(device, memory_format=torch.channels_last)
     ids = [device.index] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def _run_variant(variant, args, device, rank, timer) -> dict:
+def _step_of(variant, args, device, rank):
+    """One training step of ``variant``'s model (built here) on this rank's fixed batch."""
     model = _model(variant, device, rank)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator(device=device).manual_seed(rank)
@@ -97,8 +100,13 @@ def _run_variant(variant, args, device, rank, timer) -> dict:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def _timed(step, steps: int, timer) -> tuple[list[float], list[float], int]:
+    """Per step: ms (CUDA events) and ms inside the collectives; collectives per step."""
     times, coll_ms, coll_calls = [], [], 0
-    for _ in range(args.steps):
+    for _ in range(steps):
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         timer.active = True
         start.record()
@@ -110,12 +118,27 @@ def _run_variant(variant, args, device, rank, timer) -> dict:
         ms, calls = timer.take()
         coll_ms.append(ms)
         coll_calls = calls
-    return {
-        "variant": variant,
-        "ms_per_step": statistics.median(times),
-        "collective_ms_per_step": statistics.median(coll_ms),
-        "collectives_per_step": coll_calls,
-    }
+    return times, coll_ms, coll_calls
+
+
+def _run_variants(args, device, rank, timer) -> list[dict]:
+    """Every variant's model built and warmed up, then timed in ``args.rounds`` rounds that
+    alternate the variants (a host that slows down mid-run slows every variant alike)."""
+    steps = {variant: _step_of(variant, args, device, rank) for variant in args.variants}
+    times = {variant: ([], [], 0) for variant in args.variants}
+    for _ in range(args.rounds):
+        for variant, step in steps.items():
+            t, c, calls = _timed(step, args.steps, timer)
+            times[variant] = (times[variant][0] + t, times[variant][1] + c, calls)
+    return [
+        {
+            "variant": variant,
+            "ms_per_step": statistics.median(t),
+            "collective_ms_per_step": statistics.median(c),
+            "collectives_per_step": calls,
+        }
+        for variant, (t, c, calls) in times.items()
+    ]
 
 
 def _main(rank: int, world: int, local_rank: int, args, init_method: str | None) -> None:
@@ -134,8 +157,7 @@ def _main(rank: int, world: int, local_rank: int, args, init_method: str | None)
     timer.install()
     rows = []
     try:
-        for variant in args.variants:
-            row = _run_variant(variant, args, device, rank, timer)
+        for row in _run_variants(args, device, rank, timer):
             # the slowest rank paces the step: report the maximum over ranks
             values = torch.tensor(
                 [row["ms_per_step"], row["collective_ms_per_step"]], device=device
@@ -157,14 +179,17 @@ def _main(rank: int, world: int, local_rank: int, args, init_method: str | None)
     print("| " + " | ".join(columns) + " |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
+        unsynced = r["variant"] == "unsynced"
+        name = "torch BatchNorm2d, unsynced" if unsynced else f"{r['variant']} SyncBatchNorm"
         cells = (
-            f"{r['variant']} SyncBatchNorm", r["world"], r["backend"], r["batch_per_rank"],
+            name, r["world"], r["backend"], r["batch_per_rank"],
             f"{r['ms_per_step']:.2f}", f"{r['images_per_s']:.0f}",
             f"{r['collective_ms_per_step']:.2f}", r["collectives_per_step"],
         )  # fmt: skip
         print("| " + " | ".join(str(c) for c in cells) + " |")
-    if len(rows) == 2:
-        print(f"cupynorm / torch step time: {rows[1]['ms_per_step'] / rows[0]['ms_per_step']:.3f}")
+    ms = {r["variant"]: r["ms_per_step"] for r in rows}
+    if "torch" in ms and "cupynorm" in ms:
+        print(f"cupynorm / torch step time: {ms['cupynorm'] / ms['torch']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -177,13 +202,17 @@ def _spawned(rank: int, world: int, args, init_method: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=64, help="images per rank (default 64)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds alternating the variants")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument(
         "--backend", default=None, help="nccl, or gloo (default where --spawn exceeds the GPUs)"
     )
     parser.add_argument("--spawn", type=int, default=0, help="start this many processes here")
-    parser.add_argument("--variants", nargs="+", default=["torch", "cupynorm"])
+    parser.add_argument(
+        "--variants", nargs="+", default=["torch", "cupynorm"],
+        help="torch, cupynorm (their SyncBatchNorm), unsynced (torch's BatchNorm2d: DDP alone)",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = parser.parse_args()
     if args.backend is None:  # NCCL takes one GPU per process: more processes than GPUs, gloo
