@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cuda_available
+from conftest import cuda_available, poison_torch_allocator
 from sync_batchnorm_workers import CASES, run_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
@@ -45,3 +45,59 @@ def nccl_results(tmp_path_factory):
 def test_sync_batchnorm_two_gpus_nccl(nccl_results, case):
     for rank, per_case in enumerate(nccl_results):
         assert per_case.get(case) == "ok", f"rank {rank}:\n{per_case.get(case)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_steps_around_the_collectives_match_float64_and_the_torch_operations(
+    dtype, channels_last, affine
+):
+    """The CUDA steps around the collectives (each rank's row, the merge with the running
+    update, the dx coefficients) for three ranks simulated in one process (the all_reduce is the
+    sum of their rows), one of them empty, data offset by 1e3: the rows against float64
+    statistics, the merge and the coefficients against the same steps in torch operations (the
+    CPU path) on the same values."""
+    from cupynorm.torch import sync_batchnorm as sbn
+    from cupynorm.torch._kernels import _host
+
+    sizes, c, eps, momentum = (3, 0, 5), 7, 1e-5, 0.1
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    param = dtype if dtype == torch.float64 else torch.float32
+    exact = dtype == torch.float64
+    tol = {"rtol": 1e-12, "atol": 1e-12} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    parts = [
+        (torch.randn(n, c, 6, 5, device="cuda", dtype=torch.float64) * 2 + 1e3)
+        .to(dtype)
+        .contiguous(memory_format=fmt)
+        for n in sizes
+    ]
+    poison_torch_allocator()
+    rows = sum(_host().sync_batch_norm_rows(x, r, len(sizes))[0] for r, x in enumerate(parts))
+    expected = torch.zeros(len(sizes), 2 * c + 1, dtype=torch.float64)
+    for r, x in enumerate(parts):
+        if x.numel():
+            var, mean = torch.var_mean(x.double().cpu(), dim=(0, 2, 3), correction=0)
+            expected[r] = torch.cat([torch.tensor([x.numel() / c]).double(), mean, var])
+    torch.testing.assert_close(rows.cpu(), expected, **tol)
+
+    running = [torch.rand(c, device="cuda", dtype=param) + 0.5 for _ in range(2)]
+    ours_running = [t.clone() for t in running]
+    theirs_running = [t.cpu() for t in running]
+    for x in (parts[0], parts[1]):  # the merge from an empty rank's x too
+        ours = sbn._merged_stats(x, rows, *ours_running, eps, momentum)
+        theirs = sbn._merged_stats(x.cpu(), rows.cpu(), *theirs_running, eps, momentum)
+        for name, a, b in zip(("mean", "rstd", "count"), ours, theirs, strict=True):
+            assert a.dtype == b.dtype, name
+            torch.testing.assert_close(a.cpu().reshape(b.shape), b, **tol, msg=name)
+        for a, b in zip(ours_running, theirs_running, strict=True):
+            torch.testing.assert_close(a.cpu(), b, **tol)
+
+    mean, rstd, count = ours
+    weight = torch.randn(c, device="cuda", dtype=param) if affine else None
+    totals = torch.randn(2, c, device="cuda", dtype=rstd.dtype)
+    got = sbn._dx_coefficients(totals, rstd, weight, count)
+    cpu_weight = None if weight is None else weight.cpu()
+    want = sbn._dx_coefficients(totals.cpu(), rstd.cpu(), cpu_weight, count.cpu().reshape(()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.cpu(), b, **tol)
