@@ -667,8 +667,8 @@ def row_norm_bwd(
 @_programmed
 def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
     """(rows,): a (world, 2C + 1) float64 buffer whose row ``rank`` is this rank's (count, mean
-    (C,), biased var (C,)) over its N * prod(spatial) values per channel, every other row zero:
-    all-reduced (summed) across the ranks it holds every rank's triple (count, mean, M2 = var *
+    (C,), biased var (C,)) over its N * prod(spatial) values per channel, every other row zero.
+    Summed over the ranks (all_reduce), it holds every rank's triple (count, mean, M2 = var *
     count) for :func:`sync_batch_norm_merge`. Empty x: a row of zeros (count 0 weighs nothing)."""
     call = _Call(x)
     x, layout = _prepare(x, call.bk)
@@ -686,7 +686,7 @@ def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
     # fmt: off
     call.launch(_SYNC, "sync_norm_pack_row", min(-(-total // 256), 4096), (256,), (
         call.ptr(mean), call.ptr(var), call.ptr(rows), np.int64(C), np.int64(world),
-        np.int64(rank), np.float64(N * S if C else 0)))
+        np.int64(rank), np.float64(N * S if mean is not None else 0)))
     # fmt: on
     return (rows,)
 
