@@ -661,9 +661,11 @@ def row_norm_bwd(
 
 # ---- synchronised batch norm: the rank-local passes around the collectives ------------------
 # A batch norm whose statistics span several processes splits batch_norm_fwd / batch_norm_bwd at
-# their merges: each rank computes its partial statistics (or gradient sums), the caller merges
+# their merges: each rank computes its partial statistics (or gradient sums), the caller sums
 # them across ranks (cupynorm/torch/sync_batchnorm.py), and the elementwise pass runs with the
-# merged values. The kernels are the strided family's; nothing here communicates.
+# merged values. One recorded call on each side of a collective; the passes over the tensor are
+# the strided family's, the per-channel steps between them sync_norm.cu's. Nothing here
+# communicates.
 @_programmed
 def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
     """(rows,): a (world, 2C + 1) float64 buffer whose row ``rank`` is this rank's (count, mean
@@ -692,54 +694,39 @@ def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
 
 
 @_programmed
-def sync_batch_norm_merge(
-    x: Any, rows: Any, running_mean: Any, running_var: Any, eps: float, momentum: float
+def sync_batch_norm_merge_apply(
+    x: Any,
+    rows: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    eps: float,
+    momentum: float,
 ) -> tuple:
-    """(mean (C,), rstd (C,), count (1,) float64) of the union of the ranks' values from the
-    all-reduced ``rows`` of :func:`sync_batch_norm_rows` (Chan's merge in rank order, float64),
-    the running statistics (either may be None) updated in place as torch does. ``x``: this
-    rank's input, for its dtype (the statistics' is the accumulator's) and channel count."""
-    call = _Call(x, running_mean if running_mean is not None else running_var)
+    """(y, mean (C,), rstd (C,), count (1,) float64): Chan's merge of the all-reduced ``rows``
+    of :func:`sync_batch_norm_rows` (rank order, float64), the running statistics (either may
+    be None) updated in place as torch does, then y = (x - mean[c]) * rstd[c] * weight[c] +
+    bias[c] over this rank's x. One recorded call: the merge kernel and the strided apply."""
+    merge = _Call(x, running_mean if running_mean is not None else running_var)
     C, world = x.shape[1], rows.shape[0]
-    mean, rstd = call.stats((C,), x), call.stats((C,), x)
-    count = call.bk.empty((1,), "float64", x)
+    mean, rstd = merge.stats((C,), x), merge.stats((C,), x)
+    count = merge.bk.empty((1,), "float64", x)
     if running_mean is not None or running_var is not None:
-        call.mutates_inputs()
+        merge.mutates_inputs()
     # fmt: off
-    call.launch(_SYNC, "sync_norm_merge", max(1, -(-C // 256)), (256,), (
-        call.ptr(rows), np.int64(C), np.int64(world), np.float64(eps), np.float64(momentum),
-        call.ptr(mean), call.ptr(rstd), call.ptr(count), call.ptr(running_mean),
-        call.ptr(running_var)))
+    merge.launch(_SYNC, "sync_norm_merge", max(1, -(-C // 256)), (256,), (
+        merge.ptr(rows), np.int64(C), np.int64(world), np.float64(eps), np.float64(momentum),
+        merge.ptr(mean), merge.ptr(rstd), merge.ptr(count), merge.ptr(running_mean),
+        merge.ptr(running_var)))
     # fmt: on
-    return mean, rstd, count
-
-
-@_programmed
-def sync_batch_norm_bwd_coeffs(totals: Any, rstd: Any, weight: Any, count: Any) -> tuple:
-    """(u (C,), v (C,)): the dx coefficients of :func:`batch_norm_bwd_dx` from the sums over
-    every rank, ``totals`` (2, C) = (sum dy, sum dy * xhat), and the global count (1,) float64
-    of :func:`sync_batch_norm_merge`: u = -rstd^2 w Q / n, v = -rstd w P / n."""
-    call = _Call(rstd, weight)
-    C = rstd.shape[0]
-    u, v = call.stats((C,), rstd), call.stats((C,), rstd)
-    # fmt: off
-    call.launch(_SYNC, "sync_norm_bwd_coeffs", max(1, -(-C // 256)), (256,), (
-        call.ptr(totals), call.ptr(rstd), call.ptr(weight), call.ptr(count), np.int64(C),
-        call.ptr(u), call.ptr(v)))
-    # fmt: on
-    return u, v
-
-
-@_programmed
-def batch_norm_apply(x: Any, weight: Any, bias: Any, mean: Any, rstd: Any) -> tuple:
-    """(y,) with y = (x - mean[c]) * rstd[c] * weight[c] + bias[c]; mean, rstd (C,) given."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     N, C, S, layout = _per_channel_layout(x, layout)
     y = call.bk.empty_strided_like(x)
     if N * C * S:
         _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1)
-    return (y,)
+    return y, mean, rstd, count
 
 
 @_programmed
@@ -770,19 +757,30 @@ def batch_norm_bwd_sums(dy: Any, x: Any, mean: Any, rstd: Any) -> tuple:
 
 
 @_programmed
-def batch_norm_bwd_dx(dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, u: Any, v: Any) -> tuple:
-    """(dx,) with dx = (x - mean[c]) * u[c] + v[c] + dy * rstd[c] * weight[c]: the strided
-    family's dx pass given the coefficients u, v (C,) (see strided_norm.cu: u = -rstd^3 Q / L,
-    v = -rstd P / L from sums P, Q over all L values of the channel, on every rank)."""
+def sync_batch_norm_bwd_dx(
+    dy: Any, x: Any, mean: Any, rstd: Any, weight: Any, totals: Any, count: Any
+) -> tuple:
+    """(dx,) with dx = (x - mean[c]) * u[c] + v[c] + dy * rstd[c] * weight[c], the strided
+    family's dx pass, its coefficients from the sums over every rank, ``totals`` (2, C) =
+    (P = sum dy, Q = sum dy * xhat), and the global count (1,) float64 of
+    :func:`sync_batch_norm_merge_apply`: u = -rstd^2 w Q / n, v = -rstd w P / n (one kernel,
+    into scratch). One recorded call."""
+    coeffs = _Call(rstd, weight)
+    C = rstd.shape[0]
+    u, v = coeffs.stats((C,), rstd), coeffs.stats((C,), rstd)
+    # fmt: off
+    coeffs.launch(_SYNC, "sync_norm_bwd_coeffs", max(1, -(-C // 256)), (256,), (
+        coeffs.ptr(totals), coeffs.ptr(rstd), coeffs.ptr(weight), coeffs.ptr(count),
+        np.int64(C), coeffs.ptr(u), coeffs.ptr(v)))
+    # fmt: on
     call = _Call(x, weight)
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
     N, C, S, layout = _per_channel_layout(x, layout)
     dx = call.bk.empty_strided_like(x)
-    if N * C * S == 0:
-        return (dx,)
-    aligned = call.aligned(x, dy, dx)
-    _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, 0, 1, aligned)
+    if N * C * S:
+        aligned = call.aligned(x, dy, dx)
+        _bwd_dx(call, dy, x, dx, weight, mean, rstd, u, v, layout, N, C, S, 0, 1, aligned)
     return (dx,)
 
 

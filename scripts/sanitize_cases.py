@@ -131,14 +131,26 @@ def main() -> None:
         parts = [torch.randn(n, 5, 3, 4, device="cuda", dtype=dtype) for n in (2, 0, 3)]
         rows = sum(_ops.sync_batch_norm_rows(t, i, 3)[0] for i, t in enumerate(parts))
         rm, rv = torch.zeros(5, device="cuda"), torch.ones(5, device="cuda")
-        mean, rstd, count = _ops.sync_batch_norm_merge(parts[0], rows, rm, rv, 1e-5, 0.1)
+        w, b = torch.rand(5, device="cuda"), torch.rand(5, device="cuda")
+        for x in parts[:2]:  # the merge and apply of a rank with values and of an empty one
+            y, mean, rstd, count = _ops.sync_batch_norm_merge_apply(
+                x, rows, w, b, rm, rv, 1e-5, 0.1
+            )
         whole = torch.cat(parts).float()
         var, ref_mean = torch.var_mean(whole, dim=(0, 2, 3), correction=0)
         close(mean, ref_mean)
         close(rstd, torch.rsqrt(var + 1e-5), 1e-3)
         assert count.item() == whole.numel() // 5
+        ref = F.batch_norm(whole, None, None, w, b, True)[: parts[0].shape[0]]
+        close(
+            _ops.sync_batch_norm_merge_apply(parts[0], rows, w, b, None, None, 1e-5, 0.1)[0],
+            ref,
+            tol * 3,
+        )
         totals = torch.randn(2, 5, device="cuda")
-        _ops.sync_batch_norm_bwd_coeffs(totals, rstd, torch.rand(5, device="cuda"), count)
+        _ops.sync_batch_norm_bwd_dx(
+            torch.randn_like(parts[2]), parts[2], mean, rstd, w, totals, count
+        )
     torch.cuda.synchronize()
     print("sanitize cases: all results match torch")
 

@@ -315,10 +315,10 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
 
 @pytest.mark.parametrize("empty", [False, True], ids=["rows", "empty-rank"])
 def test_sync_batch_norm_steps_are_one_launch_each_around_the_collectives(launches, empty) -> None:
-    """SyncBatchNorm's CUDA steps: the rank's row after the statistics passes (an empty rank:
-    the row kernel alone, count 0, no statistics), the merge (running statistics in place, so a
-    mutating program), the dx coefficients from the summed (P, Q) and the merged count."""
-    x, w, _b, rm, rv = _bn_cl((0 if empty else 4, 16, 5, 7))
+    """SyncBatchNorm's CUDA calls: the rank's row after the statistics passes (an empty rank:
+    the row kernel alone, count 0, no statistics); the merge, then the apply with its mean and
+    rstd; the dx coefficients from the summed (P, Q) and the merged count, then the dx pass."""
+    x, w, b, rm, rv = _bn_cl((0 if empty else 4, 16, 5, 7))
     (rows,) = _ops.sync_batch_norm_rows(x, 1, 3)
     assert rows.shape == (3, 33) and rows.dtype == torch.float64
     kernels = [k for k, *_ in launches]
@@ -332,19 +332,28 @@ def test_sync_batch_norm_steps_are_one_launch_each_around_the_collectives(launch
         finalize_args = launches[1][-1]
         assert mean_ptr == finalize_args[5] and var_ptr == finalize_args[7]
     launches.clear()
-    mean, rstd, count = _ops.sync_batch_norm_merge(x, rows, rm, rv, 1e-5, 0.1)
-    ((kernel, _, _, _, args),) = launches
-    assert kernel == "sync_norm_merge" and mean.shape == rstd.shape == (16,)
-    assert count.shape == (1,) and count.dtype == torch.float64
+    # the merge (running statistics in place: a mutating program), then the apply
+    y, mean, rstd, count = _ops.sync_batch_norm_merge_apply(x, rows, w, b, rm, rv, 1e-5, 0.1)
+    kernels = [k for k, *_ in launches]
+    assert kernels == ["sync_norm_merge"] + ([] if empty else ["strided_norm_apply_cols"])
+    args = launches[0][-1]
     assert args[:3] == [rows.data_ptr(), 16, 3] and args[-2:] == [rm.data_ptr(), rv.data_ptr()]
+    assert y.shape == x.shape and mean.shape == rstd.shape == (16,)
+    assert count.shape == (1,) and count.dtype == torch.float64
     assert [p for p in _program._PROGRAMS.values() if p.mutating]
+    if empty:
+        return
+    assert {mean.data_ptr(), rstd.data_ptr()} <= set(launches[1][-1])  # what the apply reads
     launches.clear()
-    totals = torch.rand(2, 16)
-    u, v = _ops.sync_batch_norm_bwd_coeffs(totals, rstd, w, count)
-    ((kernel, _, _, _, args),) = launches
-    assert kernel == "sync_norm_bwd_coeffs" and u.shape == v.shape == (16,)
+    # the coefficients into scratch, read by the dx pass
+    totals, dy = torch.rand(2, 16), torch.rand(x.shape).to(memory_format=torch.channels_last)
+    (dx,) = _ops.sync_batch_norm_bwd_dx(dy, x, mean, rstd, w, totals, count)
+    kernels = [k for k, *_ in launches]
+    assert kernels == ["sync_norm_bwd_coeffs", "strided_norm_bwd_dx_cols"]
+    coeffs, dx_args = launches[0][-1], launches[1][-1]
     ptrs = [totals.data_ptr(), rstd.data_ptr(), w.data_ptr(), count.data_ptr(), 16]
-    assert args == [*ptrs, u.data_ptr(), v.data_ptr()]
+    assert coeffs[:5] == ptrs
+    assert set(coeffs[5:]) <= set(dx_args) and dx.data_ptr() in dx_args
 
 
 @pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])

@@ -53,11 +53,11 @@ def test_sync_batchnorm_two_gpus_nccl(nccl_results, case):
 def test_steps_around_the_collectives_match_float64_and_the_torch_operations(
     dtype, channels_last, affine
 ):
-    """The CUDA steps around the collectives (each rank's row, the merge with the running
-    update, the dx coefficients) for three ranks simulated in one process (the all_reduce is the
-    sum of their rows), one of them empty, data offset by 1e3: the rows against float64
-    statistics, the merge and the coefficients against the same steps in torch operations (the
-    CPU path) on the same values."""
+    """The CUDA calls around the collectives (each rank's row; the merge with the running
+    update and the apply; the dx coefficients and the dx pass) for three ranks simulated in one
+    process (the all_reduce is the sum of their rows), one of them empty, data offset by 1e3:
+    the rows against float64 statistics, the rest against the same steps in torch operations
+    (the CPU path) on the same values."""
     from cupynorm.torch import sync_batchnorm as sbn
     from cupynorm.torch._kernels import _host
 
@@ -66,6 +66,8 @@ def test_steps_around_the_collectives_match_float64_and_the_torch_operations(
     param = dtype if dtype == torch.float64 else torch.float32
     exact = dtype == torch.float64
     tol = {"rtol": 1e-12, "atol": 1e-12} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    # outputs in the input's dtype: bf16 rounds what both sides compute in float32
+    out_tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else tol
     parts = [
         (torch.randn(n, c, 6, 5, device="cuda", dtype=torch.float64) * 2 + 1e3)
         .to(dtype)
@@ -81,23 +83,33 @@ def test_steps_around_the_collectives_match_float64_and_the_torch_operations(
             expected[r] = torch.cat([torch.tensor([x.numel() / c]).double(), mean, var])
     torch.testing.assert_close(rows.cpu(), expected, **tol)
 
+    weight = torch.randn(c, device="cuda", dtype=param) if affine else None
+    bias = torch.randn(c, device="cuda", dtype=param) if affine else None
+    cpu_weight = None if weight is None else weight.cpu()
+    cpu_bias = None if bias is None else bias.cpu()
     running = [torch.rand(c, device="cuda", dtype=param) + 0.5 for _ in range(2)]
     ours_running = [t.clone() for t in running]
     theirs_running = [t.cpu() for t in running]
-    for x in (parts[0], parts[1]):  # the merge from an empty rank's x too
-        ours = sbn._merged_stats(x, rows, *ours_running, eps, momentum)
-        theirs = sbn._merged_stats(x.cpu(), rows.cpu(), *theirs_running, eps, momentum)
-        for name, a, b in zip(("mean", "rstd", "count"), ours, theirs, strict=True):
+    for x in (parts[1], parts[0]):  # an empty rank's call too
+        ours = sbn._normalized(x, rows, weight, bias, *ours_running, eps, momentum)
+        args = (x.cpu(), rows.cpu(), cpu_weight, cpu_bias, *theirs_running, eps, momentum)
+        theirs = sbn._normalized(*args)
+        assert ours[0].shape == x.shape and ours[0].dtype == x.dtype
+        assert ours[0].is_contiguous(memory_format=fmt)
+        names = ("y", "mean", "rstd", "count")
+        for name, a, b in zip(names, ours, theirs, strict=True):
             assert a.dtype == b.dtype, name
-            torch.testing.assert_close(a.cpu().reshape(b.shape), b, **tol, msg=name)
+            close = out_tol if name == "y" else tol
+            torch.testing.assert_close(a.cpu().reshape(b.shape), b, **close, msg=name)
         for a, b in zip(ours_running, theirs_running, strict=True):
             torch.testing.assert_close(a.cpu(), b, **tol)
 
-    mean, rstd, count = ours
-    weight = torch.randn(c, device="cuda", dtype=param) if affine else None
+    x = parts[0]
+    _, mean, rstd, count = ours
+    dy = torch.randn(x.shape, device="cuda", dtype=dtype).contiguous(memory_format=fmt)
     totals = torch.randn(2, c, device="cuda", dtype=rstd.dtype)
-    got = sbn._dx_coefficients(totals, rstd, weight, count)
-    cpu_weight = None if weight is None else weight.cpu()
-    want = sbn._dx_coefficients(totals.cpu(), rstd.cpu(), cpu_weight, count.cpu().reshape(()))
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a.cpu(), b, **tol)
+    dx = sbn._input_gradient(dy, x, mean, rstd, weight, totals, count)
+    args = (dy.cpu(), x.cpu(), mean.cpu(), rstd.cpu(), cpu_weight, totals.cpu())
+    want = sbn._input_gradient(*args, count.cpu().reshape(()))
+    assert dx.dtype == x.dtype and dx.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(dx.cpu(), want, **out_tol)

@@ -34,13 +34,14 @@ the rows in rank order (deterministic).
 **Per backward, one collective** (when the input needs a gradient, as torch): an
 ``all_reduce(SUM)`` of ``(P, Q)`` packed in one ``(2, C)`` buffer of the statistics' dtype.
 
-The rank-local passes are cupynorm's strided kernels (``cupynorm._ops.sync_batch_norm_rows``,
-``batch_norm_apply``, ``batch_norm_bwd_sums``, ``batch_norm_bwd_dx``): fp32 accumulation (fp64
-for float64 input), fixed-order merges, no float atomics: a rank's sums are bitwise
-reproducible, and the sums over ranks as reproducible as the backend's all_reduce. On CUDA the
-steps around the collectives are one kernel each (``cuda_src/sync_norm.cu``: the rank's row,
-the merge with the running update, the dx coefficients), where a chain of ~30 torch operations
-per layer and step paced every rank's host. On CPU
+The rank-local passes are cupynorm's strided kernels, fp32 accumulation (fp64 for float64
+input), fixed-order merges, no float atomics: a rank's sums are bitwise reproducible, and the
+sums over ranks as reproducible as the backend's all_reduce. On CUDA the steps around the
+collectives are one kernel each (``cuda_src/sync_norm.cu``: the rank's row, the merge with the
+running update, the dx coefficients), and each side of a collective is one recorded call
+(``cupynorm._ops.sync_batch_norm_rows``, ``sync_batch_norm_merge_apply``,
+``batch_norm_bwd_sums``, ``sync_batch_norm_bwd_dx``), where a chain of ~30 torch operations per
+layer and step paced every rank's host. On CPU
 tensors the same passes are plain torch operations, so the layer runs with the gloo backend on
 the CPU (and is tested there) -- where ``torch.nn.SyncBatchNorm`` refuses CPU input.
 ``DistributedDataParallel`` itself refuses SyncBatchNorm layers on the CPU (its check sees the
@@ -87,11 +88,8 @@ def _local_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _local_apply(x: Tensor, weight, bias, mean: Tensor, rstd: Tensor) -> Tensor:
-    """y = (x - mean) * rstd * weight + bias, in x's dtype and memory format."""
-    if x.is_cuda:
-        x, fmt = _dense(x)
-        (y,) = _host().batch_norm_apply(x, _vec(weight), _vec(bias), mean, rstd)
-        return y.contiguous(memory_format=fmt)
+    """y = (x - mean) * rstd * weight + bias, in x's dtype and memory format (torch operations;
+    on CUDA :func:`_normalized` runs the kernels)."""
     shape = _channel_shape(x)
     y = (x.to(mean.dtype) - mean.reshape(shape)) * rstd.reshape(shape)
     if weight is not None:
@@ -113,12 +111,8 @@ def _local_bwd_sums(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor) -> tuple[
 
 
 def _local_dx(dy: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight, u, v) -> Tensor:
-    """dx = (x - mean) * u + v + dy * rstd * weight, in x's dtype and memory format."""
-    if x.is_cuda:
-        x, fmt = _dense(x)
-        dy = dy.contiguous(memory_format=fmt)
-        (dx,) = _host().batch_norm_bwd_dx(dy, x, mean, rstd, _vec(weight), u, v)
-        return dx.contiguous(memory_format=fmt)
+    """dx = (x - mean) * u + v + dy * rstd * weight, in x's dtype and memory format (torch
+    operations; on CUDA :func:`_input_gradient` runs the kernels)."""
     shape = _channel_shape(x)
     gain = rstd if weight is None else rstd * weight.to(rstd.dtype)
     dx = (x.to(rstd.dtype) - mean.reshape(shape)) * u.reshape(shape) + v.reshape(shape)
@@ -169,39 +163,52 @@ def _update_running(running: Tensor | None, value: Tensor, momentum: float) -> N
 # ---------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------
-def _merged_stats(x, rows, running_mean, running_var, eps, momentum):
-    """(mean, rstd) in the statistics' dtype and the global count (float64) from the gathered
-    rows; the running statistics updated (unbiased variance over the global count)."""
-    if x.is_cuda:  # one kernel for the merge, the running update and rstd
+def _normalized(x, rows, weight, bias, running_mean, running_var, eps, momentum):
+    """(y, mean, rstd, count): the statistics of the union from the gathered rows (mean, rstd in
+    the statistics' dtype, the global count in float64), the running statistics updated (the
+    unbiased variance over the global count), and this rank's x normalized with them."""
+    if x.is_cuda:  # one recorded call: the merge kernel (running update, rstd), then the apply
+        x, fmt = _dense(x)
         rm, rv = _vec(running_mean), _vec(running_var)
-        merged = _host().sync_batch_norm_merge(x, rows, rm, rv, eps, momentum)
+        y, mean, rstd, count = _host().sync_batch_norm_merge_apply(
+            x, rows, _vec(weight), _vec(bias), rm, rv, eps, momentum
+        )
         if running_mean is not None:
             _write_back(running_mean, rm)
         if running_var is not None:
             _write_back(running_var, rv)
-        return merged
+        return y.contiguous(memory_format=fmt), mean, rstd, count
     stat = _stat_dtype(x.dtype)
     mean, var, count = _merge(rows)
     _update_running(running_mean, mean, momentum)
     _update_running(running_var, var * (count / (count - 1)), momentum)
-    return mean.to(stat), torch.rsqrt(var + eps).to(stat), count
+    mean, rstd = mean.to(stat), torch.rsqrt(var + eps).to(stat)
+    y = _local_apply(x, weight, bias, mean, rstd) if x.numel() else torch.empty_like(x)
+    return y, mean, rstd, count
 
 
-def _dx_coefficients(totals: Tensor, rstd: Tensor, weight, count: Tensor):
-    """(u, v) of the dx pass from the sums over every rank, totals = (sum dy, sum dy * xhat)."""
-    if totals.is_cuda:
-        return _host().sync_batch_norm_bwd_coeffs(totals, rstd, _vec(weight), count)
+def _input_gradient(dy, x, mean, rstd, weight, totals: Tensor, count: Tensor) -> Tensor:
+    """dx of this rank's non-empty x from the sums over every rank, totals = (sum dy,
+    sum dy * xhat): the coefficients u = -rstd * gain * Q / n, v = -gain * P / n (gain = rstd *
+    weight), then the dx pass."""
+    if x.is_cuda:  # one recorded call: the coefficients' kernel, then the dx pass
+        x, fmt = _dense(x)
+        dy = dy.contiguous(memory_format=fmt)
+        args = (dy, x, mean, rstd, _vec(weight), totals, count)
+        (dx,) = _host().sync_batch_norm_bwd_dx(*args)
+        return dx.contiguous(memory_format=fmt)
     n = count.to(rstd.dtype)
     gain = rstd if weight is None else rstd * weight.to(rstd.dtype)
-    return -rstd * gain * totals[1] / n, -gain * totals[0] / n
+    u, v = -rstd * gain * totals[1] / n, -gain * totals[0] / n
+    return _local_dx(dy, x, mean, rstd, weight, u, v)
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, world):
         rows = _gather_stats(x, group, world)
-        mean, rstd, count = _merged_stats(x, rows, running_mean, running_var, eps, momentum)
-        y = _local_apply(x, weight, bias, mean, rstd) if x.numel() else torch.empty_like(x)
+        args = (x, rows, weight, bias, running_mean, running_var, eps, momentum)
+        y, mean, rstd, count = _normalized(*args)
         ctx.save_for_backward(x, weight, mean, rstd, count)
         ctx.group = group
         ctx.set_materialize_grads(False)
@@ -222,8 +229,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if need_dx:
             totals = torch.stack((sum_dy, sum_dy_xhat))
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
-            u, v = _dx_coefficients(totals, rstd, weight, count)
-            dx = _local_dx(dy, x, mean, rstd, weight, u, v) if x.numel() else torch.zeros_like(x)
+            if x.numel():
+                dx = _input_gradient(dy, x, mean, rstd, weight, totals, count)
+            else:
+                dx = torch.zeros_like(x)
         grad_dtype = rstd.dtype if weight is None else weight.dtype
         if need_dweight:
             dweight = sum_dy_xhat.to(grad_dtype)
