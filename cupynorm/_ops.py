@@ -671,7 +671,8 @@ def sync_batch_norm_rows(x: Any, rank: int, world: int) -> tuple:
     """(rows,): a (world, 2C + 1) float64 buffer whose row ``rank`` is this rank's (count, mean
     (C,), biased var (C,)) over its N * prod(spatial) values per channel, every other row zero.
     Summed over the ranks (all_reduce), it holds every rank's triple (count, mean, M2 = var *
-    count) for :func:`sync_batch_norm_merge`. Empty x: a row of zeros (count 0 weighs nothing)."""
+    count) for :func:`sync_batch_norm_merge_apply`. Empty x: a row of zeros (count 0 weighs
+    nothing)."""
     call = _Call(x)
     x, layout = _prepare(x, call.bk)
     N, C, S, layout = _per_channel_layout(x, layout)
