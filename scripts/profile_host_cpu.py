@@ -12,7 +12,13 @@ scripts/profile_train_host.py measures those on a GPU.
 time per layer; ``--launches none`` replaces the launchers themselves by no-ops (the replay
 alone). ``--no-profile`` skips the cProfile.
 
+``--model`` runs a resnet50-shaped network instead (torchvision's bottleneck layout, 53
+BatchNorm2d, on a tiny 2x3x32x32 input) as torch's, converted by ``cupynorm.torch.fuse`` and
+with its norm layers removed: the host time per norm layer inside a model's step, to set beside
+the chain's.
+
 Usage: python scripts/profile_host_cpu.py [act|bn] [--steps N] [--stack L] [--launches driver|none]
+       [--model]
 """
 
 from __future__ import annotations
@@ -87,6 +93,103 @@ def _cuda_host_code_on_cpu(launches: str = "driver") -> None:
     _autograd._batch_norm_act_bwd = _kernels._batch_norm_act_bwd_cuda
 
 
+def _resnet50_shaped(base: int = 8) -> torch.nn.Module:
+    """torchvision's resnet50 layout (bottlenecks 3-4-6-3, 53 BatchNorm2d) with ``base`` channels
+    in the stem instead of 64 (cheap CPU convolutions), written out so that the script needs no
+    torchvision."""
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin: int, width: int, stride: int) -> None:
+            super().__init__()
+            cout = width * 4
+            self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+            self.bn2 = nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = None
+            if stride != 1 or cin != cout:
+                self.downsample = nn.Sequential(
+                    nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+                )
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            out = self.bn3(self.conv3(out))
+            out += identity
+            return self.relu(out)
+
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, base, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(base),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    cin = base
+    for scale, blocks, stride in ((1, 3, 1), (2, 4, 2), (4, 6, 2), (8, 3, 2)):
+        width = base * scale
+        for i in range(blocks):
+            layers.append(Bottleneck(cin, width, stride if i == 0 else 1))
+            cin = width * 4
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers)
+
+
+def _model_steps(steps: int, profile: bool) -> None:
+    """Host time per norm layer of a resnet50-shaped model's training step (see the docstring)."""
+    import copy
+
+    torch.set_flush_denormal(True)  # the fake kernels leave their outputs uninitialized
+    torch.manual_seed(0)
+    theirs = _resnet50_shaped().to(memory_format=torch.channels_last)
+    ours = cnt.fuse(copy.deepcopy(theirs))
+    stripped = copy.deepcopy(theirs)
+    for parent in list(stripped.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.BatchNorm2d):
+                setattr(parent, name, torch.nn.Identity())
+    layers = sum(isinstance(m, torch.nn.BatchNorm2d) for m in theirs.modules())
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+
+    def step_of(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            optimizer.step()
+
+        return step
+
+    models = {"torch (CPU kernels)": theirs, "cupynorm (fuse)": ours, "no norms": stripped}
+    steps_of = {name: step_of(m) for name, m in models.items()}
+    best = {}
+    for _ in range(3):  # rounds alternate: the CPU is shared
+        for name, step in steps_of.items():
+            for _ in range(5):
+                step()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            us = (time.perf_counter() - started) / steps * 1e6
+            best[name] = min(best.get(name, us), us)
+    for name, us in best.items():
+        print(f"{name:20s} {us:9.0f} us per step")
+    base = best["no norms"]
+    for name in ("torch (CPU kernels)", "cupynorm (fuse)"):
+        print(f"{name}: {(best[name] - base) / layers:.1f} us per norm layer ({layers} layers)")
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            steps_of["cupynorm (fuse)"]()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("layer", nargs="?", choices=("act", "bn"), default="act")
@@ -94,9 +197,13 @@ def main() -> None:
     parser.add_argument("--stack", type=int, default=1, help="layers in a chain (default 1)")
     parser.add_argument("--launches", choices=("driver", "none"), default="driver")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--model", action="store_true", help="a resnet50-shaped model's step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     _cuda_host_code_on_cpu(args.launches)
+    if args.model:
+        _model_steps(max(1, args.steps // 100), not args.no_profile)
+        return
     act = args.layer == "act"
     layers = [cnt.BatchNormAct2d(64) if act else cnt.BatchNorm2d(64) for _ in range(args.stack)]
     shape = (8, 64, 14, 14) if args.stack == 1 else (8, 64, 2, 2)  # small: no CPU copies

@@ -1,22 +1,33 @@
 """Host time of a whole model's training step, torch's norm layers against cupynorm's, and where
-cupynorm's goes (cProfile by own time, and how the norm calls were served).
+cupynorm's goes.
 
 A host-bound step (small batch) costs what its layers take to issue; this runs torchvision's
-resnet50 (bf16 autocast, channels_last) and reports the issue time of a step (zero_grad, forward,
-backward, SGD step) starting with the device idle, for each, the difference per norm layer, the
-caching allocator's cudaMalloc calls, and a cProfile of the cupynorm step. Needs torchvision.
+resnet50 (bf16 autocast, channels_last) and reports, per batch size, the issue time of a step
+(zero_grad, forward, backward, SGD step) starting with the device idle, for each model, the
+difference per norm layer, the caching allocator's cudaMalloc calls, the CUDA runtime and driver
+calls of a step (torch.profiler: any call that waits for the device shows here), torch's
+synchronizing operations (`torch.cuda.set_sync_debug_mode`, with the Python stack of each), the
+host time of each norm layer's forward (hooks), and optionally a cProfile of the cupynorm step.
 
-Usage: python scripts/profile_model_host.py [--batch N] [--steps N]
+If the issue time per norm layer grows with the batch, something on the host path waits for the
+device.
+
+Usage: python scripts/profile_model_host.py [--batch N ...] [--convert replace|fuse]
+       [--steps N] [--cprofile]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import cProfile
 import pstats
+import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,69 +36,267 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm.torch as cnt  # noqa: E402
 from cupynorm import _program  # noqa: E402
 
+NORM_TYPES = (torch.nn.BatchNorm2d, cnt.BatchNorm2d, cnt.BatchNormAct2d)
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
-    args = parser.parse_args()
-    import torchvision
 
-    torch.manual_seed(0)
-    theirs = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    ours = cnt.replace_norms(copy.deepcopy(theirs))
-    layers = sum(isinstance(m, torch.nn.BatchNorm2d) for m in theirs.modules())
-    x = torch.randn(args.batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
-    target = torch.randint(0, 1000, (args.batch,), device="cuda")
+def _step_fn(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    optimizers = {
-        id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (theirs, ours)
-    }
-
-    def step(model) -> None:
-        optimizer = optimizers[id(model)]
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cuda", torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(model(x), target)
         loss.backward()
         optimizer.step()
 
-    def issue_ms(model) -> float:
-        for _ in range(5):
-            step(model)
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            step(model)
-            best = min(best, time.perf_counter() - start)
-            torch.cuda.synchronize()
-        return best * 1e3
+    return step
 
-    def device_mallocs() -> int:
-        return torch.cuda.memory_stats().get("num_device_alloc", 0)
 
-    before = device_mallocs()
-    t_ms = issue_ms(theirs)
-    middle = device_mallocs()
-    c_ms = issue_ms(ours)
-    print(f"cudaMalloc calls: torch {middle - before}, cupynorm {device_mallocs() - middle}")
-    print(
-        f"resnet50 batch {args.batch} bf16 cl, host ms to issue a step: torch {t_ms:.2f}, "
-        f"cupynorm {c_ms:.2f}; +{(c_ms - t_ms) * 1e3 / layers:.0f} us per norm layer "
-        f"({layers} layers)"
-    )
-    unrecordable = sum(p is _program._UNRECORDABLE for p in _program._PROGRAMS.values())
-    print(f"programs: {len(_program._PROGRAMS)} recorded signatures, {unrecordable} unrecordable")
-    profile = cProfile.Profile()
-    profile.enable()
+def _issue_us(step, steps: int) -> tuple[float, float]:
+    """(best, median) wall time to issue one step, each started with the device idle."""
     for _ in range(5):
-        step(ours)
-    profile.disable()
+        step()
+    samples = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
-    stats = pstats.Stats(profile)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats("cupynorm", 25)
+    return min(samples), statistics.median(samples)
+
+
+def _phases_us(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, steps: int) -> dict:
+    """Median issue time of each phase of a step (forward + loss, backward, optimizer step), each
+    started with the device idle, and of cupynorm's own backward functions inside the backward
+    (they run on the autograd engine's device thread: timed by a wrapper, summed per step)."""
+    from cupynorm.torch import _autograd
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    inside = [0.0]
+    functions = [_autograd._BatchNormFunction, _autograd._BatchNormActFunction]
+    originals = [f.__dict__["backward"] for f in functions]  # the staticmethods
+
+    def timed(backward):
+        def run(ctx, *grads):
+            start = time.perf_counter()
+            try:
+                return backward(ctx, *grads)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        return staticmethod(run)
+
+    samples: dict[str, list[float]] = collections.defaultdict(list)
+    for f, original in zip(functions, originals, strict=True):
+        f.backward = timed(original.__func__)
+    try:
+        for i in range(steps + 3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), target)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            inside[0] = 0.0
+            t2 = time.perf_counter()
+            loss.backward()
+            t3 = time.perf_counter()
+            torch.cuda.synchronize()
+            t4 = time.perf_counter()
+            optimizer.step()
+            t5 = time.perf_counter()
+            if i >= 3:
+                samples["forward"].append((t1 - t0) * 1e6)
+                samples["backward"].append((t3 - t2) * 1e6)
+                samples["norm backward functions"].append(inside[0] * 1e6)
+                samples["optimizer"].append((t5 - t4) * 1e6)
+    finally:
+        for f, original in zip(functions, originals, strict=True):
+            f.backward = original
+    torch.cuda.synchronize()
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _api_calls(step, steps: int = 3) -> dict[str, tuple[float, float]]:
+    """{CUDA runtime/driver call: (calls per step, host us per step)} under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    calls: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        name = event.name
+        if (
+            event.device_type.name == "CPU"
+            and name.startswith(("cuda", "cu"))
+            and (not name.startswith("cudnn"))
+        ):
+            calls[name][0] += 1
+            calls[name][1] += event.cpu_time_total
+    return {k: (n / steps, us / steps) for k, (n, us) in calls.items()}
+
+
+def _sync_ops(step) -> list[str]:
+    """torch operations of one step that synchronize with the device, with where they came from."""
+    found: list[str] = []
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+            torch.cuda.synchronize()
+        for w in caught:
+            found.append(f"{w.message}")
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    if found:  # again as errors, for the stack of the first one
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        except RuntimeError:
+            found.append("".join(traceback.format_exc(limit=-12)))
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+            torch.cuda.synchronize()
+    return found
+
+
+def _layer_forward_us(model: torch.nn.Module, step, steps: int = 5) -> list[float]:
+    """Median host us of each norm layer's forward call, in model order."""
+    times: dict[int, list[float]] = collections.defaultdict(list)
+    starts: dict[int, float] = {}
+    handles = []
+    layers = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
+    for i, m in enumerate(layers):
+        handles.append(
+            m.register_forward_pre_hook(
+                lambda _m, _a, i=i: starts.__setitem__(i, time.perf_counter())
+            )
+        )
+        handles.append(
+            m.register_forward_hook(
+                lambda _m, _a, _o, i=i: times[i].append((time.perf_counter() - starts[i]) * 1e6)
+            )
+        )
+    try:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    return [statistics.median(times[i]) for i in range(len(layers))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, nargs="+", default=[8])
+    parser.add_argument("--convert", choices=("replace", "fuse"), default="replace")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    import torchvision
+
+    torch.manual_seed(0)
+    theirs = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    convert = cnt.replace_norms if args.convert == "replace" else cnt.fuse
+    ours = convert(copy.deepcopy(theirs))
+    layers = sum(isinstance(m, torch.nn.BatchNorm2d) for m in theirs.modules())
+    stripped = copy.deepcopy(theirs)
+    for parent in list(stripped.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.BatchNorm2d):
+                setattr(parent, name, torch.nn.Identity())
+    print(f"resnet50 bf16 autocast channels_last, {layers} norm layers, cupynorm: {args.convert}")
+    for batch in args.batch:
+        x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+        target = torch.randint(0, 1000, (batch,), device="cuda")
+        steps = {
+            name: _step_fn(m, x, target)
+            for name, m in (("torch", theirs), ("cupynorm", ours), ("no norms", stripped))
+        }
+
+        def device_mallocs() -> int:
+            return torch.cuda.memory_stats().get("num_device_alloc", 0)
+
+        issue, mallocs = {}, {}
+        for name, step in steps.items():
+            before = device_mallocs()
+            issue[name] = _issue_us(step, args.steps)
+            mallocs[name] = device_mallocs() - before
+        print(f"\n== batch {batch}: host us to issue a step (best / median), cudaMalloc calls")
+        for name, (best, median) in issue.items():
+            print(f"  {name:9s} {best:9.0f} / {median:9.0f}   mallocs {mallocs[name]}")
+        base = issue["no norms"][1]
+        for name in ("torch", "cupynorm"):
+            print(
+                f"  {name} per norm layer (median - no norms) / {layers}: "
+                f"{(issue[name][1] - base) / layers:.0f} us"
+            )
+        phases = {
+            name: _phases_us(m, x, target, args.steps)
+            for name, m in (("torch", theirs), ("cupynorm", ours), ("no norms", stripped))
+        }
+        print("  issue us per phase (median, device idle before each): torch | cupynorm | no norms")
+        for phase in phases["torch"]:
+            t, c, n = (phases[k][phase] for k in ("torch", "cupynorm", "no norms"))
+            print(
+                f"    {phase:24s} {t:8.0f} | {c:8.0f} | {n:8.0f}   per norm layer "
+                f"{(t - n) / layers:6.1f} | {(c - n) / layers:6.1f}"
+            )
+        calls = {name: _api_calls(steps[name]) for name in ("torch", "cupynorm")}
+        names = sorted(
+            set(calls["torch"]) | set(calls["cupynorm"]),
+            key=lambda k: -calls["cupynorm"].get(k, (0, 0))[1],
+        )
+        print("  CUDA API per step: calls and host us, torch | cupynorm")
+        for k in names:
+            t = calls["torch"].get(k, (0, 0.0))
+            c = calls["cupynorm"].get(k, (0, 0.0))
+            print(f"    {k:34s} {t[0]:7.1f} {t[1]:9.0f} | {c[0]:7.1f} {c[1]:9.0f}")
+        for name in ("torch", "cupynorm"):
+            found = _sync_ops(steps[name])
+            print(f"  synchronizing torch ops in a {name} step: {len(found)}")
+            for line in found[:6]:
+                print("    " + line.replace("\n", "\n    "))
+        fwd = {
+            name: _layer_forward_us(m, steps[name])
+            for name, m in (("torch", theirs), ("cupynorm", ours))
+        }
+        print("  norm layer forward host us (median per layer): torch | cupynorm")
+        print(
+            f"    sum {sum(fwd['torch']):.0f} | {sum(fwd['cupynorm']):.0f}; "
+            f"median {statistics.median(fwd['torch']):.1f} | "
+            f"{statistics.median(fwd['cupynorm']):.1f}; "
+            f"max {max(fwd['torch']):.0f} | {max(fwd['cupynorm']):.0f}"
+        )
+        slow = sorted(range(len(fwd["cupynorm"])), key=lambda i: -fwd["cupynorm"][i])[:5]
+        print(
+            "    slowest cupynorm layers: "
+            + ", ".join(
+                f"#{i} {fwd['cupynorm'][i]:.0f} (torch {fwd['torch'][i]:.0f})" for i in slow
+            )
+        )
+    unrecordable = sum(p is _program._UNRECORDABLE for p in _program._PROGRAMS.values())
+    print(f"\nprograms: {len(_program._PROGRAMS)} recorded signatures, {unrecordable} unrecordable")
+    if args.cprofile:
+        step = steps["cupynorm"]
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(5):
+            step()
+        profile.disable()
+        torch.cuda.synchronize()
+        stats = pstats.Stats(profile)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats("cupynorm", 25)
 
 
 if __name__ == "__main__":
