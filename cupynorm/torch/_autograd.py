@@ -10,7 +10,10 @@ machine's CPU). Double backward is not supported: the backward is a kernel witho
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.function import once_differentiable
 
 from ._kernels import (
@@ -289,19 +292,61 @@ def _make_row_norm_add_mul_backward(bwd):
 # ---------------------------------------------------------------------------------------------
 # eager fast path: autograd.Functions over the same kernels, setup_context and backward math
 # ---------------------------------------------------------------------------------------------
+# Host time per call: torch's ``Function.apply`` is a Python classmethod that, before the C++
+# apply, checks for a setup_context, asks whether a functorch transform is active and unwraps
+# dead functorch wrappers; ``once_differentiable`` opens a no_grad context around a backward
+# that autograd already runs with grad mode off. ``_EagerFunction.run`` calls the C++ apply
+# itself (after the same unwrapping) when no transform is active, and ``_once_differentiable``
+# calls the backward directly when grad mode is off; otherwise both are torch's own.
+_C_APPLY = torch._C._FunctionBase.__dict__["apply"]
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+class _EagerFunction(torch.autograd.Function):
+    """Base of the eager Functions: ``Cls.run(*args)`` is ``Cls.apply(*args)``."""
+
+    run: staticmethod
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        c_apply = _C_APPLY.__get__(None, cls)
+        apply = cls.apply
+
+        def run(*args):
+            if _transforms_active():
+                return apply(*args)
+            return c_apply(*unwrap_dead_wrappers(args))
+
+        cls.run = staticmethod(run)
+
+
+def _once_differentiable(fn):
+    """torch's ``once_differentiable(fn)``, without its no_grad context when grad mode is off
+    (every backward but one run with ``create_graph=True``, which gets torch's own)."""
+    checked = once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        if torch.is_grad_enabled():
+            return checked(ctx, *args)
+        return fn(ctx, *args)
+
+    return wrapper
+
+
 # Old-style forward(ctx, ...): a Function that defines setup_context pays for an
 # inspect.signature() bind on every apply (measured: +13 us per call on the dev machine's CPU).
-class _GroupNormFunction(torch.autograd.Function):
+class _GroupNormFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, num_groups, weight, bias, eps):
         output = _group_norm_fwd(x, num_groups, weight, bias, eps)
         _group_norm_setup(ctx, (x, num_groups, weight, bias, eps), output)
         return output
 
-    backward = staticmethod(once_differentiable(_make_group_norm_backward(_group_norm_bwd, 5, 2)))
+    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 5, 2)))
 
 
-class _InstanceNormFunction(torch.autograd.Function):
+class _InstanceNormFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
         inputs = (x, weight, bias, running_mean, running_var, momentum, eps)
@@ -309,10 +354,10 @@ class _InstanceNormFunction(torch.autograd.Function):
         _instance_norm_setup(ctx, inputs, output)
         return output
 
-    backward = staticmethod(once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
+    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
 
 
-class _BatchNormFunction(torch.autograd.Function):
+class _BatchNormFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
         inputs = (x, weight, bias, running_mean, running_var, training, momentum, eps)
@@ -320,10 +365,10 @@ class _BatchNormFunction(torch.autograd.Function):
         _keep_forward(ctx, program, _batch_norm_setup(ctx, inputs, output))
         return output
 
-    backward = staticmethod(once_differentiable(_batch_norm_backward_eager))
+    backward = staticmethod(_once_differentiable(_batch_norm_backward_eager))
 
 
-class _BatchNormActFunction(torch.autograd.Function):
+class _BatchNormActFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
                 act):  # fmt: skip
@@ -343,10 +388,10 @@ class _BatchNormActFunction(torch.autograd.Function):
         _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output))
         return output
 
-    backward = staticmethod(once_differentiable(_batch_norm_act_backward_eager))
+    backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))
 
 
-class _RowNormAddMulFunction(torch.autograd.Function):
+class _RowNormAddMulFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, y, eps):
         output = _row_norm_add_mul_fwd(x, y, eps)
@@ -354,11 +399,11 @@ class _RowNormAddMulFunction(torch.autograd.Function):
         return output
 
     backward = staticmethod(
-        once_differentiable(_make_row_norm_add_mul_backward(_row_norm_add_mul_bwd))
+        _once_differentiable(_make_row_norm_add_mul_backward(_row_norm_add_mul_bwd))
     )
 
 
-class _RowNormFunction(torch.autograd.Function):
+class _RowNormFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False):
         inputs = (x, residual, weight, bias, ndim, eps, rms, cast)
@@ -366,17 +411,19 @@ class _RowNormFunction(torch.autograd.Function):
         _row_norm_setup(ctx, inputs, output)
         return output
 
-    backward = staticmethod(once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
+    backward = staticmethod(_once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
 
 
-class _GroupNormActFunction(torch.autograd.Function):
+class _GroupNormActFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, num_groups, weight, bias, eps, act, shift):
         output = _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift)
         _group_norm_act_setup(ctx, (x, num_groups, weight, bias, eps, act, shift), output)
         return output
 
-    backward = staticmethod(once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd)))
+    backward = staticmethod(
+        _once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd))
+    )
 
 
 # ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------
@@ -404,7 +451,7 @@ def _make_channel_norm_backward(bwd):
     return backward
 
 
-class _ChannelNormFunction(torch.autograd.Function):
+class _ChannelNormFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms):
         inputs = (x, weight, bias, eps, rms)
@@ -412,4 +459,4 @@ class _ChannelNormFunction(torch.autograd.Function):
         _channel_norm_setup(ctx, inputs, output)
         return output
 
-    backward = staticmethod(once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))
+    backward = staticmethod(_once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))

@@ -27,7 +27,7 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
     op = torch.ops.cupynorm.group_norm_fwd.default
     for stmt in ("ref(x)", "m(x)",                                               # modules
                  "op(x, 64, None, None, 1e-5)",                                  # dispatcher
-                 "_autograd._GroupNormFunction.apply(x, 64, None, None, 1e-5)",  # fast path
+                 "_autograd._GroupNormFunction.run(x, 64, None, None, 1e-5)",  # fast path
                  "_kernels._group_norm_fwd(x, 64, None, None, 1e-5)"):           # kernel only
         t = B.Timer(stmt, globals=globals()).blocked_autorange(min_run_time=1)
         print(f"{stmt:64s} {t.median * 1e6:7.1f} us")
@@ -123,7 +123,7 @@ def _apply_group_norm(x, num_groups, weight, bias, eps) -> Tensor:
     if _traced(x):
         return group_norm_fwd_op(x, num_groups, weight, bias, eps)[0]
     if _wants_grad(x, weight, bias):
-        return _GroupNormFunction.apply(x, num_groups, weight, bias, eps)[0]
+        return _GroupNormFunction.run(x, num_groups, weight, bias, eps)[0]
     return _group_norm_output(x, num_groups, weight, bias, eps)
 
 
@@ -132,7 +132,7 @@ def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift) -> Tenso
     if _traced(x):
         return group_norm_act_fwd_op(*args)[0]
     if _wants_grad(x, weight, bias) or (shift is not None and _wants_grad(shift, None, None)):
-        return _GroupNormActFunction.apply(*args)[0]
+        return _GroupNormActFunction.run(*args)[0]
     return _group_norm_act_output(*args)
 
 
@@ -144,7 +144,7 @@ def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, e
         running_var.copy_(new_var)
         return y
     if _wants_grad(x, weight, bias):
-        return _InstanceNormFunction.apply(*args)[0]
+        return _InstanceNormFunction.run(*args)[0]
     return _instance_norm_fwd(*args)[0]
 
 
@@ -158,7 +158,7 @@ def _apply_batch_norm(x, weight, bias, running_mean, running_var, training, mome
             running_var.copy_(new_var)
         return y
     if _wants_grad(x, weight, bias):
-        return _BatchNormFunction.apply(*args)[0]
+        return _BatchNormFunction.run(*args)[0]
     return _batch_norm_fwd(*args)[0]
 
 
@@ -176,7 +176,7 @@ def _apply_batch_norm_act(
     if _wants_grad(x, weight, bias) or (
         residual is not None and residual.requires_grad and torch.is_grad_enabled()
     ):
-        return _BatchNormActFunction.apply(*args)[0]
+        return _BatchNormActFunction.run(*args)[0]
     return _batch_norm_fwd(*args)[0]
 
 
@@ -184,7 +184,7 @@ def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
     if _traced(x):
         return row_norm_add_mul_fwd_op(x, y, eps)[0]
     if _wants_grad(x, y, None):
-        return _RowNormAddMulFunction.apply(x, y, eps)[0]
+        return _RowNormAddMulFunction.run(x, y, eps)[0]
     return _row_norm_add_mul_fwd(x, y, eps)[0]
 
 
@@ -203,7 +203,7 @@ def _apply_row_norm(
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias)
     ):
-        return _RowNormFunction.apply(*args)[:2]
+        return _RowNormFunction.run(*args)[:2]
     return _row_norm_output(*args)
 
 
@@ -211,7 +211,7 @@ def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
     if _traced(x):
         return channel_norm_fwd_op(x, weight, bias, eps, rms)[0]
     if _wants_grad(x, weight, bias):
-        return _ChannelNormFunction.apply(x, weight, bias, eps, rms)[0]
+        return _ChannelNormFunction.run(x, weight, bias, eps, rms)[0]
     return _channel_norm_output(x, weight, bias, eps, rms)
 
 
