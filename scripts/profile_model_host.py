@@ -66,10 +66,18 @@ def _issue_us(step, steps: int) -> tuple[float, float]:
     return min(samples), statistics.median(samples)
 
 
-def _phases_us(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, steps: int) -> dict:
+def _phases_us(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    steps: int,
+    engine_threads: bool = True,
+) -> dict:
     """Median issue time of each phase of a step (forward + loss, backward, optimizer step), each
     started with the device idle, and of cupynorm's own backward functions inside the backward
-    (they run on the autograd engine's device thread: timed by a wrapper, summed per step)."""
+    (they run on the autograd engine's device thread: timed by a wrapper, summed per step).
+    ``engine_threads=False``: the backward under ``torch.autograd.set_multithreading_enabled(
+    False)``, every node run on the calling thread."""
     from cupynorm.torch import _autograd
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -101,7 +109,8 @@ def _phases_us(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor, st
             torch.cuda.synchronize()
             inside[0] = 0.0
             t2 = time.perf_counter()
-            loss.backward()
+            with torch.autograd.set_multithreading_enabled(engine_threads):
+                loss.backward()
             t3 = time.perf_counter()
             torch.cuda.synchronize()
             t4 = time.perf_counter()
@@ -240,17 +249,21 @@ def main() -> None:
                 f"  {name} per norm layer (median - no norms) / {layers}: "
                 f"{(issue[name][1] - base) / layers:.0f} us"
             )
-        phases = {
-            name: _phases_us(m, x, target, args.steps)
-            for name, m in (("torch", theirs), ("cupynorm", ours), ("no norms", stripped))
-        }
-        print("  issue us per phase (median, device idle before each): torch | cupynorm | no norms")
-        for phase in phases["torch"]:
-            t, c, n = (phases[k][phase] for k in ("torch", "cupynorm", "no norms"))
+        for threads in (True, False):
+            phases = {
+                name: _phases_us(m, x, target, args.steps, threads)
+                for name, m in (("torch", theirs), ("cupynorm", ours), ("no norms", stripped))
+            }
             print(
-                f"    {phase:24s} {t:8.0f} | {c:8.0f} | {n:8.0f}   per norm layer "
-                f"{(t - n) / layers:6.1f} | {(c - n) / layers:6.1f}"
+                "  issue us per phase (median, device idle before each), autograd engine threads "
+                f"{'on (default)' if threads else 'off'}: torch | cupynorm | no norms"
             )
+            for phase in phases["torch"]:
+                t, c, n = (phases[k][phase] for k in ("torch", "cupynorm", "no norms"))
+                print(
+                    f"    {phase:24s} {t:8.0f} | {c:8.0f} | {n:8.0f}   per norm layer "
+                    f"{(t - n) / layers:6.1f} | {(c - n) / layers:6.1f}"
+                )
         calls = {name: _api_calls(steps[name]) for name in ("torch", "cupynorm")}
         names = sorted(
             set(calls["torch"]) | set(calls["cupynorm"]),
