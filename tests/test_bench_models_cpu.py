@@ -569,6 +569,82 @@ def test_a_failing_mode_is_that_cell_only(
         assert "ERROR" not in rows[("gn_blocks_fp16_cl", "eager", impl)][3]
 
 
+def _fake_eager_steps(monkeypatch: pytest.MonkeyPatch, log: list[str], oom: str | None = None):
+    """`train._built_step` answering with steps that log their implementation (or raising the
+    device's out-of-memory error for `oom`), and a profile with nothing in it."""
+    torch = pytest.importorskip("torch")
+
+    def built_step(base, workload, batch, mode, impl, result):
+        if impl == oom:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake)")
+        result.setup_s = 0.0
+        return lambda: log.append(impl)
+
+    monkeypatch.setattr(train, "_built_step", built_step)
+    monkeypatch.setattr(train, "_profile", lambda step, steps: train.summarize_kernels([], steps))
+
+
+def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both eager steps are timed in rounds that alternate them, reversed every other round, and
+    their issue times are interleaved the same way: host drift within a run reaches both."""
+    models_dry_run()
+    log: list[str] = []
+    _fake_eager_steps(monkeypatch, log)
+    monkeypatch.setattr(train, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "HOST_STEPS", 2)
+    monkeypatch.setattr(train, "EAGER_ROUNDS", 3)
+    results = train._run_eager_pair(None, None, None, steps=2)
+    assert [(r.mode, r.impl, r.error) for r in results] == [
+        ("eager", "torch", None),
+        ("eager", "cupynorm", None),
+    ]
+    assert all(r.reps == 3 * 2 and r.host_us is not None for r in results)
+    # three timing rounds of one warm-up step and two timed ones each, then two issue-time
+    # samples of each
+    t, c = "torch", "cupynorm"
+    rounds = [t] * 3 + [c] * 3 + [c] * 3 + [t] * 3 + [t] * 3 + [c] * 3
+    assert log == rounds + [t, c, c, t]
+
+
+def test_eager_steps_one_after_the_other_when_both_do_not_fit(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    models_dry_run()
+    log: list[str] = []
+    _fake_eager_steps(monkeypatch, log, oom="cupynorm")
+    alone = []
+
+    def run_step_safely(base, workload, batch, mode, impl, steps):
+        alone.append((mode, impl))
+        return bench.StepResult(mode=mode, impl=impl, ms=1.0)
+
+    monkeypatch.setattr(train, "_run_step_safely", run_step_safely)
+    results = train._run_eager_safely(None, None, None, steps=2)
+    assert alone == [("eager", "torch"), ("eager", "cupynorm")]
+    assert [(r.impl, r.ms) for r in results] == [("torch", 1.0), ("cupynorm", 1.0)]
+    assert "timed one after the other" in capsys.readouterr().err
+
+
+def test_a_failing_eager_cell_leaves_the_other(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models_dry_run()
+    log: list[str] = []
+    _fake_eager_steps(monkeypatch, log)
+    real = train._built_step
+
+    def built_step(base, workload, batch, mode, impl, result):
+        if impl == "cupynorm":
+            raise ValueError("cannot convert")
+        return real(base, workload, batch, mode, impl, result)
+
+    monkeypatch.setattr(train, "_built_step", built_step)
+    torch_result, cupynorm_result = train._run_eager_pair(None, None, None, steps=2)
+    assert torch_result.error is None and torch_result.ms is not None
+    assert cupynorm_result.error == "ValueError: cannot convert" and cupynorm_result.ms is None
+    assert set(log) == {"torch"}
+
+
 def test_llama_row_dry_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
     """The Llama row alone (`--only`), on a tiny config on the CPU: transformers' model builds
     from the workload, replace_norms converts its 2 * layers + 1 RMSNorm layers (and nothing is

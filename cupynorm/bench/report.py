@@ -361,7 +361,9 @@ def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
         "step ms: median over steps, CUDA events around whole steps, after warm-up; vs torch: "
         "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
         "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode.",
-        "Eager rows: kernel ms / norm ms = GPU kernel time per step, all kernels / norm kernels "
+        "Eager rows: torch's and cupynorm's steps timed in rounds that alternate them, their "
+        "issue times interleaved alike; kernel ms / norm ms = GPU kernel time per step, all "
+        "kernels / norm kernels "
         "(torch.profiler); host us = wall time to issue one step with the device idle; host "
         "us/norm layer = (host us - host us of the same model with its norm layers replaced by "
         "nn.Identity) / norm layers, the host time of one norm layer's forward + backward; norm "

@@ -23,7 +23,9 @@ For each model workload, in one process, from the same initial weights and on th
      fails is reported in that cell.
    - compile: `torch.compile(model)` in its default mode; the optimizer stays eager.
    Step time: the median of several steps, CUDA events around each whole step, after warm-up
-   steps (compiling / capturing happens there and is reported apart). In eager mode also:
+   steps (compiling / capturing happens there and is reported apart). The two eager steps are
+   built together and timed in alternating rounds (`EAGER_ROUNDS`); should both not fit in
+   device memory at once, one after the other, as the other modes. In eager mode also:
    GPU kernel time and norm-kernel time per step and kernel launches per norm layer, from
    `torch.profiler` over a few steps; and host time to issue one step (wall time of the Python
    call, the device idle before it, no synchronization inside it), once more for the model with
@@ -71,6 +73,11 @@ STEPS_QUICK = 5
 WARMUP_STEPS = 3  # before timing; the compile mode compiles in the first of them
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before the capture
 HOST_STEPS = 9  # eager steps whose issue time is measured (median)
+# The eager steps of torch and of cupynorm are timed in rounds that alternate them (in reversed
+# order every other round), their issue times interleaved the same way: both are host-bound at
+# small batches, and a host's speed drifts within a run (resnet50 batch 64 on one H200: the same
+# code measured 0.54x and 0.86x of torch's step when each was timed in one block).
+EAGER_ROUNDS = 3
 PROFILE_STEPS = 2  # eager steps under torch.profiler
 SGD_MOMENTUM = 0.9
 MSE_SCALE = 5e-4  # see _loss
@@ -312,16 +319,19 @@ def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCh
 # ------------------------------------------------------------------------------------------------
 
 
+def _issue_us(step: Callable[[], object]) -> float:
+    """Wall time to issue one step, started with the device idle."""
+    timing.cuda.synchronize()
+    started = time.perf_counter()
+    step()
+    issued = (time.perf_counter() - started) * 1e6
+    timing.cuda.synchronize()
+    return issued
+
+
 def _host_us(step: Callable[[], object], steps: int) -> float:
     """Median wall time to issue one step, starting each with the device idle."""
-    samples = []
-    for _ in range(steps):
-        timing.cuda.synchronize()
-        started = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - started) * 1e6)
-    timing.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(_issue_us(step) for _ in range(steps))
 
 
 def _host_us_without_norms(
@@ -356,9 +366,27 @@ def _run_step(
     steps: int,
 ) -> StepResult:
     """Build a fresh copy of the model for `impl`, run `mode`, time it."""
+    result = StepResult(mode=mode, impl=impl)
+    step = _built_step(base, workload, batch, mode, impl, result)
+    _record_times(result, time_cuda_ms(step, reps=steps, warmup=WARMUP_STEPS))
+    if mode == MODE_EAGER:
+        result.host_us = _host_us(step, HOST_STEPS)
+        _record_profile(result, step)
+    return result
+
+
+def _built_step(
+    base: torch.nn.Module,
+    workload: ModelWorkload,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
+    impl: str,
+    result: StepResult,
+) -> Callable[[], object]:
+    """A fresh copy of the model for `impl`, its step for `mode`, run (or captured) once; the
+    time that took is `result.setup_s`."""
     import torch
 
-    result = StepResult(mode=mode, impl=impl)
     model = copy.deepcopy(base)
     if impl == MODEL_CUPYNORM:
         model = _convert(model, workload)
@@ -373,18 +401,105 @@ def _run_step(
         step()  # compile mode: compiles forward and backward here
     timing.cuda.synchronize()
     result.setup_s = time.perf_counter() - started
-    times = time_cuda_ms(step, reps=steps, warmup=WARMUP_STEPS)
+    return step
+
+
+def _record_times(result: StepResult, times: list[float]) -> None:
     result.ms = statistics.median(times)
     result.min_ms, result.max_ms, result.reps = min(times), max(times), len(times)
-    if mode == MODE_EAGER:
-        result.host_us = _host_us(step, HOST_STEPS)
-        summary = _profile(step, PROFILE_STEPS)
-        result.kernel_ms = summary.kernel_ms
-        result.norm_kernel_ms = summary.norm_kernel_ms
-        result.kernels = summary.kernels
-        result.norm_kernels = summary.norm_kernels
-        result.norm_kernel_ms_by_name = summary.norm_kernel_ms_by_name
-    return result
+
+
+def _record_profile(result: StepResult, step: Callable[[], object]) -> None:
+    summary = _profile(step, PROFILE_STEPS)
+    result.kernel_ms = summary.kernel_ms
+    result.norm_kernel_ms = summary.norm_kernel_ms
+    result.kernels = summary.kernels
+    result.norm_kernels = summary.norm_kernels
+    result.norm_kernel_ms_by_name = summary.norm_kernel_ms_by_name
+
+
+def _run_eager_pair(
+    base: torch.nn.Module,
+    workload: ModelWorkload,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+) -> list[StepResult]:
+    """The eager step of each implementation, both built first, then timed in `EAGER_ROUNDS`
+    rounds of `steps` steps that alternate them (reversed every other round), their issue
+    times interleaved alike. A cell that fails is that cell's error; the other goes on alone.
+    Raises the device's out-of-memory error when both models do not fit at once."""
+    import torch
+
+    results = {impl: StepResult(mode=MODE_EAGER, impl=impl) for impl in MODEL_IMPLS}
+    live: dict[str, Callable[[], object]] = {}
+
+    def fail(impl: str, exc: Exception) -> None:
+        traceback.print_exc(file=sys.stderr)
+        results[impl].error = _error_text(exc)
+        live.pop(impl, None)
+
+    for impl in MODEL_IMPLS:
+        try:
+            live[impl] = _built_step(base, workload, batch, MODE_EAGER, impl, results[impl])
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failing cell must not stop the other
+            fail(impl, exc)
+    times: dict[str, list[float]] = {impl: [] for impl in live}
+    issue: dict[str, list[float]] = {impl: [] for impl in live}
+
+    def alternating(index: int) -> list[str]:
+        order = [impl for impl in MODEL_IMPLS if impl in live]
+        return order if index % 2 == 0 else order[::-1]
+
+    for r in range(EAGER_ROUNDS):
+        for impl in alternating(r):
+            try:
+                warmup = WARMUP_STEPS if r == 0 else 1
+                times[impl] += time_cuda_ms(live[impl], reps=steps, warmup=warmup)
+            except Exception as exc:  # noqa: BLE001
+                fail(impl, exc)
+    for i in range(HOST_STEPS):
+        for impl in alternating(i):
+            try:
+                issue[impl].append(_issue_us(live[impl]))
+            except Exception as exc:  # noqa: BLE001
+                fail(impl, exc)
+    for impl, step in list(live.items()):
+        result = results[impl]
+        try:
+            _record_times(result, times[impl])
+            result.host_us = statistics.median(issue[impl])
+            _record_profile(result, step)
+        except Exception as exc:  # noqa: BLE001
+            fail(impl, exc)
+    return [results[impl] for impl in MODEL_IMPLS]
+
+
+def _run_eager_safely(
+    base: torch.nn.Module,
+    workload: ModelWorkload,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    steps: int,
+) -> list[StepResult]:
+    """`_run_eager_pair`; when both models do not fit in device memory at once, each eager
+    step alone (`_run_step_safely`). Device memory freed after."""
+    import torch
+
+    try:
+        results = _run_eager_pair(base, workload, batch, steps)
+    except torch.cuda.OutOfMemoryError:
+        _progress("    both eager models do not fit at once: timed one after the other")
+        results = None
+    try:
+        _release_device_memory()
+    except Exception as exc:  # noqa: BLE001 - the next step reports the failure
+        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    if results is None:
+        results = [
+            _run_step_safely(base, workload, batch, MODE_EAGER, impl, steps) for impl in MODEL_IMPLS
+        ]
+    return results
 
 
 def _run_step_safely(
@@ -477,8 +592,13 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
     modes = [MODE_EAGER, MODE_GRAPHED] + ([MODE_COMPILE] if context.compile_enabled else [])
     for mode in modes:
-        for impl in MODEL_IMPLS:
-            step_result = _run_step_safely(base, workload, batch, mode, impl, steps)
+        if mode == MODE_EAGER:
+            step_results = _run_eager_safely(base, workload, batch, steps)
+        else:
+            step_results = [
+                _run_step_safely(base, workload, batch, mode, impl, steps) for impl in MODEL_IMPLS
+            ]
+        for step_result in step_results:
             _progress(_step_line(step_result))
             result.steps.append(step_result)
     return result
