@@ -357,6 +357,15 @@ def _profile(step: Callable[[], object], steps: int) -> KernelSummary:
     return summarize_kernels(timing.cuda.kernel_events(profiler), steps)
 
 
+def _release_memory_reporting_failure() -> None:
+    """`_release_device_memory`, a failure reported rather than raised (what comes next
+    reports its consequence)."""
+    try:
+        _release_device_memory()
+    except Exception as exc:  # noqa: BLE001 - best effort between cells
+        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+
+
 def _run_step(
     base: torch.nn.Module,
     workload: ModelWorkload,
@@ -491,10 +500,7 @@ def _run_eager_safely(
     except torch.cuda.OutOfMemoryError:
         _progress("    both eager models do not fit at once: timed one after the other")
         results = None
-    try:
-        _release_device_memory()
-    except Exception as exc:  # noqa: BLE001 - the next step reports the failure
-        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    _release_memory_reporting_failure()
     if results is None:
         results = [
             _run_step_safely(base, workload, batch, MODE_EAGER, impl, steps) for impl in MODEL_IMPLS
@@ -516,10 +522,7 @@ def _run_step_safely(
     except Exception as exc:  # noqa: BLE001 - one failing mode must not stop the others
         traceback.print_exc(file=sys.stderr)
         result = StepResult(mode=mode, impl=impl, error=_error_text(exc))
-    try:
-        _release_device_memory()
-    except Exception as exc:  # noqa: BLE001 - the next step reports the failure
-        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    _release_memory_reporting_failure()
     return result
 
 
@@ -564,10 +567,7 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
         result.accuracy_error = _error_text(exc)
         _progress(f"    accuracy check failed: {result.accuracy_error}")
         traceback.print_exc(file=sys.stderr)
-    try:
-        _release_device_memory()
-    except Exception as exc:  # noqa: BLE001 - the steps report the failure
-        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    _release_memory_reporting_failure()
 
     try:
         batch = _make_batch(
@@ -585,10 +585,7 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
         _progress(f"    eager host time without norm layers: {result.host_us_without_norms:.0f} us")
     except Exception as exc:  # noqa: BLE001 - the per-layer column stays empty
         _progress(f"    host time without norm layers failed: {_error_text(exc)}")
-    try:
-        _release_device_memory()
-    except Exception as exc:  # noqa: BLE001 - the steps report the failure
-        _progress(f"    releasing device memory failed: {_error_text(exc)}")
+    _release_memory_reporting_failure()
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
     modes = [MODE_EAGER, MODE_GRAPHED] + ([MODE_COMPILE] if context.compile_enabled else [])
     for mode in modes:
