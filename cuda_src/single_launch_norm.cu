@@ -49,14 +49,15 @@ __device__ __forceinline__ GridWarps grid_warps() {
 }
 
 // Forward: x (R rows of C channels, row stride C) -> y; mean, rstd (C,) for the backward; running
-// statistics (may be null) updated as strided_norm_finalize does. Grid: ctas CTAs of (TX, TY).
+// statistics and batch counter (each may be null) updated as strided_norm_finalize does. Grid: ctas
+// CTAs of (TX, TY).
 template <int V>
 __device__ __forceinline__ void batch_norm_fwd_cols(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ partials, unsigned int* arrived,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, param_t* __restrict__ running_mean,
-    param_t* __restrict__ running_var, int64 R, int64 C, double count, acc_t eps, acc_t momentum,
-    acc_t unbias) {
+    param_t* __restrict__ running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
+    double count, acc_t eps, acc_t momentum, acc_t unbias) {
     const int64 ctas = gridDim.x;
     stats_cols<V>(x, partials, 1, R, C, C, 0, ctas, 0, 1, nullptr);
     grid_barrier(arrived, gridDim.x);
@@ -64,7 +65,7 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
     if (w.active) {
         for (int64 k = w.first; k < C; k += w.count)  // set c starts at x[c]
             finalize_set(k, w.lane, partials, ctas, count, eps, mean, rstd, nullptr, x, 1, 1, 0,
-                         running_mean, running_var, momentum, unbias);
+                         running_mean, running_var, momentum, unbias, batches_tracked);
     }
     grid_barrier(arrived, 2 * gridDim.x);
     apply_cols<V, false>(x, nullptr, y, weight, bias, mean, rstd, nullptr, nullptr, R, C, C, 0, 0, 1,
@@ -75,14 +76,14 @@ extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_
     const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ partials, unsigned int* arrived,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, param_t* __restrict__ running_mean,
-    param_t* __restrict__ running_var, int64 R, int64 C, double count, acc_t eps, acc_t momentum,
-    acc_t unbias, int vectorized) {
+    param_t* __restrict__ running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
+    double count, acc_t eps, acc_t momentum, acc_t unbias, int vectorized) {
     if (vectorized)
         batch_norm_fwd_cols<VEC>(x, y, weight, bias, partials, arrived, mean, rstd, running_mean,
-                                 running_var, R, C, count, eps, momentum, unbias);
+                                 running_var, batches_tracked, R, C, count, eps, momentum, unbias);
     else
         batch_norm_fwd_cols<1>(x, y, weight, bias, partials, arrived, mean, rstd, running_mean,
-                               running_var, R, C, count, eps, momentum, unbias);
+                               running_var, batches_tracked, R, C, count, eps, momentum, unbias);
 }
 
 // Backward (training: the statistics are the batch's; eval: constants, u = v = 0): dx (may be

@@ -280,12 +280,14 @@ strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ part
 // Running statistics (batch norm), when given, are updated here as torch does:
 //   running_mean = (1 - momentum) * running_mean + momentum * mean
 //   running_var  = (1 - momentum) * running_var  + momentum * var * unbias  (count / (count - 1))
+// and the module's batch counter (num_batches_tracked, int64), when given, is incremented by set 0:
+// the add torch's module launches as a kernel of its own.
 __device__ __forceinline__ void finalize_set(
     int64 k, int lane, const acc_t* __restrict__ partials, int64 P, double count, acc_t eps,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
     const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
     param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
-    acc_t unbias) {
+    acc_t unbias, int64* __restrict__ batches_tracked) {
     // the set's first value, loaded now and used last
     const acc_t shift = lane == 0 ? to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b])
                                   : acc_t(0);
@@ -316,6 +318,7 @@ __device__ __forceinline__ void finalize_set(
         if (running_var != nullptr)
             running_var[k] =
                 from_acc<param_t>(keep * to_acc(running_var[k]) + momentum * (v * unbias));
+        if (batches_tracked != nullptr && k == 0) batches_tracked[0] += 1;
     }
 }
 
@@ -325,11 +328,11 @@ extern "C" __global__ void strided_norm_finalize(
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
     const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
     param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
-    acc_t unbias) {
+    acc_t unbias, int64* __restrict__ batches_tracked) {
     const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     if (k >= K) return;  // whole warps leave together
     finalize_set(k, threadIdx.x & 31, partials, P, count, eps, mean, rstd, var, x, shift_div,
-                 shift_a, shift_b, running_mean, running_var, momentum, unbias);
+                 shift_a, shift_b, running_mean, running_var, momentum, unbias, batches_tracked);
 }
 #endif
 

@@ -149,6 +149,10 @@ class TorchBackend:
         x.zero_()
 
     @staticmethod
+    def increment(x: Any) -> None:
+        x.add_(1)
+
+    @staticmethod
     def copy_into(dst: Any, src: Any) -> None:
         dst.copy_(src)
 
@@ -276,6 +280,11 @@ class CupyBackend:
 
     def fill_zero(self, x: Any) -> None:
         x.fill(0)
+
+    @staticmethod
+    def increment(x: Any) -> None:
+        with x.device:
+            x += 1
 
     @staticmethod
     def copy_into(dst: Any, src: Any) -> None:

@@ -213,10 +213,13 @@ def batch_norm_fwd(
     eps: float,
     residual: Any = None,
     act: str = "identity",
+    batches_tracked: Any = None,
 ) -> tuple:
     """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial); with a residual
     and/or an activation ("relu", "silu") y = act(batch_norm(x) + residual), fused into the apply
-    pass (residual: x's shape and dtype)."""
+    pass (residual: x's shape and dtype). In training, ``batches_tracked`` (a module's int64
+    batch counter, one element, or None) is incremented by the kernel that updates the running
+    statistics."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     epilogue = None
@@ -250,13 +253,17 @@ def batch_norm_fwd(
     if count * C == 0:
         call.bk.fill_nan(mean)
         call.bk.fill_nan(rstd)
+        if batches_tracked is not None:
+            call.bk.increment(batches_tracked)
         return y, mean, rstd
+    if batches_tracked is not None:
+        call.mutates_inputs()  # a kernel below increments it
     if S == 1:
         layout = "channels_last"  # (N, C): channels innermost, one row per sample
     # fmt: off
     if layout != "contiguous" and in_kernel and epilogue is None and _single.batch_norm_fwd_cols(
-            call, x, y, weight, bias, mean, rstd, running_mean, running_var, momentum, eps,
-            count, C):
+            call, x, y, weight, bias, mean, rstd, running_mean, running_var, batches_tracked,
+            momentum, eps, count, C):
         if running:
             call.mutates_inputs()  # the kernel updated the running statistics
         return y, mean, rstd
@@ -270,10 +277,11 @@ def batch_norm_fwd(
         call.mutates_inputs()
         # fmt: off
         _finalize(call, x, partials, C, count, eps, mean, rstd, var, running_mean, running_var,
-                  momentum)
+                  momentum, batches_tracked)
         # fmt: on
     else:
-        _finalize(call, x, partials, C, count, eps, mean, rstd, var)
+        _finalize(call, x, partials, C, count, eps, mean, rstd, var,
+                  batches_tracked=batches_tracked)  # fmt: skip
         if running_mean is not None:
             call.bk.update_running(running_mean, mean, momentum)
         if running_var is not None:

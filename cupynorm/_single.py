@@ -89,13 +89,15 @@ def batch_norm_fwd_cols(
     rstd: Any,
     running_mean: Any,
     running_var: Any,
+    batches_tracked: Any,
     momentum: float,
     eps: float,
     rows: int,
     channels: int,
 ) -> bool:
-    """y, mean, rstd (and the running statistics, updated in the kernel) of BatchNorm training
-    over x viewed as (rows, channels), channels innermost; False when it does not apply."""
+    """y, mean, rstd (and the running statistics and batch counter, updated in the kernel) of
+    BatchNorm training over x viewed as (rows, channels), channels innermost; False when it does
+    not apply."""
     if not _fits(call, x):
         return False
     kernel = "single_launch_batch_norm_fwd_cols"
@@ -116,8 +118,9 @@ def batch_norm_fwd_cols(
     return _launch(call, kernel, plan, smem, (
         call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(partials),
         call.ptr(arrived), call.ptr(mean), call.ptr(rstd), call.ptr(running_mean),
-        call.ptr(running_var), i64(rows), i64(channels), np.float64(rows), _scalar(call.acc, eps),
-        _scalar(call.acc, momentum), _scalar(call.acc, unbias), np.int32(plan.vectorized)))
+        call.ptr(running_var), call.ptr(batches_tracked), i64(rows), i64(channels),
+        np.float64(rows), _scalar(call.acc, eps), _scalar(call.acc, momentum),
+        _scalar(call.acc, unbias), np.int32(plan.vectorized)))
     # fmt: on
 
 

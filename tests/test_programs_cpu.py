@@ -141,6 +141,39 @@ def test_running_statistics_in_the_kernel_are_recorded_as_mutating(launches) -> 
     assert finalize and rm2.data_ptr() in finalize[0] and rv2.data_ptr() in finalize[0]
 
 
+def test_batch_counter_is_incremented_by_the_statistics_kernels(launches, monkeypatch) -> None:
+    """A module's num_batches_tracked goes to the kernel that updates the running statistics
+    (the finalize, or the single launch), is in the program's key and pointers, and is
+    incremented by a torch op where no kernel runs (an empty batch)."""
+    from cupynorm import _single
+
+    x, w, b, rm, rv = _bn_cl()
+    counters = [torch.zeros((), dtype=torch.long) for _ in range(2)]
+    for counter in counters:  # the second call replays the first's program
+        launches.clear()
+        _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, None, "identity", counter)
+        finalize = [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"]
+        assert finalize[0][-1] == counter.data_ptr()
+    (program,) = _program._PROGRAMS.values()
+    assert program is not _program._UNRECORDABLE and program.mutating
+    assert [int(c) for c in counters] == [0, 0]  # the fake kernels did not run
+    launches.clear()
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)  # no counter: a null pointer
+    assert [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"][0][-1] == 0
+
+    monkeypatch.setattr(_single, "enabled", True)
+    _program._PROGRAMS.clear()  # recorded on the split path (the fixture's own dict)
+    launches.clear()
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, None, "identity", counters[0])
+    ((kernel, *_, args),) = [launch for launch in launches if launch[0] != "memset"]
+    assert kernel == "single_launch_batch_norm_fwd_cols" and args[10] == counters[0].data_ptr()
+
+    launches.clear()
+    empty = torch.rand(0, 6, 3, 3)
+    _ops.batch_norm_fwd(empty, None, None, rm, rv, True, 0.1, 1e-5, None, "identity", counters[1])
+    assert not launches and int(counters[1]) == 1
+
+
 def test_inference_calls_pass_no_statistics(launches) -> None:
     x = torch.rand(2, 6, 5, 8)
     y, mean, rstd = _ops.group_norm_fwd(x, 2, None, None, 1e-5, want_stats=False)

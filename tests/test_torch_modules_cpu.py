@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 import subprocess
 import sys
 import warnings
@@ -207,6 +208,28 @@ def test_kernel_route_no_grad_updates_running_stats(kernels):
         a, b = _pair(ours, theirs, dict(track_running_stats=True, affine=True))
         with torch.no_grad():
             torch.testing.assert_close(a(x), b(x))
+        torch.testing.assert_close(a.running_mean, b.running_mean)
+        torch.testing.assert_close(a.running_var, b.running_var)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None], ids=["momentum", "cumulative"])
+def test_kernel_route_counts_batches_like_torch(kernel_path, momentum):
+    """num_batches_tracked, which the kernels increment (the cumulative average's factor needs
+    it on the host first): once per training call, never in eval, and also when the call is
+    rejected after torch's module has counted it (one value per channel in training)."""
+    ours = [cnt.BatchNorm1d(3, momentum=momentum), cnt.BatchNormAct2d(3, momentum=momentum)]
+    theirs = [nn.BatchNorm1d(3, momentum=momentum), nn.BatchNorm2d(3, momentum=momentum)]
+    for a, b in zip(ours, theirs, strict=True):
+        x = torch.randn(4, 3, 5, 5) if isinstance(b, nn.BatchNorm2d) else torch.randn(4, 3)
+        for train in (True, True, False):
+            a.train(train), b.train(train)
+            torch.testing.assert_close(F.relu(b(x)) if a is ours[1] else b(x), a(x))
+        a.train(), b.train()
+        with pytest.raises(ValueError) as error:
+            a(x[:1, :, :1, :1] if x.dim() == 4 else x[:1])
+        with pytest.raises(ValueError, match=re.escape(str(error.value))):
+            b(x[:1, :, :1, :1] if x.dim() == 4 else x[:1])
+        assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 3
         torch.testing.assert_close(a.running_mean, b.running_mean)
         torch.testing.assert_close(a.running_var, b.running_var)
 

@@ -242,7 +242,7 @@ def _batch_norm_backward_eager(ctx, dy, *_stat_grads):
     program when the saved tensors are the forward's own (:func:`_keep_forward`)."""
     kept, ctx.bound = ctx.bound, None  # a second backward (retain_graph): the full path
     if dy is None:
-        return (None,) * 8
+        return (None,) * 9
     x, weight, save_mean, save_rstd = ctx.saved_tensors
     forward = None
     if kept is not None and kept[1] is x and kept[2] is weight:
@@ -253,7 +253,7 @@ def _batch_norm_backward_eager(ctx, dy, *_stat_grads):
     dx, dweight, dbias = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
                                          forward)
     # fmt: on
-    return dx, dweight, dbias, None, None, None, None, None
+    return dx, dweight, dbias, None, None, None, None, None, None
 
 
 def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
@@ -261,7 +261,7 @@ def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
     :func:`_batch_norm_backward_eager`."""
     kept, ctx.bound = ctx.bound, None
     if dy is None:
-        return (None,) * 10
+        return (None,) * 11
     x, weight, save_mean, save_rstd, residual, bias = ctx.saved_tensors
     forward = None
     if kept is not None and kept[1] is x and kept[2] is weight and kept[3] is save_mean:
@@ -274,7 +274,7 @@ def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
                                                    ctx.training, mask, residual, bias, ctx.act,
                                                    forward)
     # fmt: on
-    return dx, dweight, dbias, None, None, None, None, None, dres, None
+    return dx, dweight, dbias, None, None, None, None, None, dres, None, None
 
 
 def _make_row_norm_add_mul_backward(bwd):
@@ -357,11 +357,14 @@ class _InstanceNormFunction(_EagerFunction):
     backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
 
 
+# ``batches_tracked``: a module's num_batches_tracked, incremented by the forward's kernels, or
+# None (the backwards return a None more than there are inputs then, which autograd allows)
 class _BatchNormFunction(_EagerFunction):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps,
+                batches_tracked=None):  # fmt: skip
         inputs = (x, weight, bias, running_mean, running_var, training, momentum, eps)
-        output, program = _batch_norm_fwd_program(*inputs)
+        output, program = _batch_norm_fwd_program(*inputs, None, "identity", batches_tracked)
         _keep_forward(ctx, program, _batch_norm_setup(ctx, inputs, output))
         return output
 
@@ -371,7 +374,7 @@ class _BatchNormFunction(_EagerFunction):
 class _BatchNormActFunction(_EagerFunction):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-                act):  # fmt: skip
+                act, batches_tracked=None):  # fmt: skip
         inputs = (
             x,
             weight,
@@ -384,7 +387,7 @@ class _BatchNormActFunction(_EagerFunction):
             residual,
             act,
         )
-        output, program = _batch_norm_fwd_program(*inputs)
+        output, program = _batch_norm_fwd_program(*inputs, batches_tracked)
         _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output))
         return output
 

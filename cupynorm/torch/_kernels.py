@@ -289,12 +289,15 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
 def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                         residual, act):  # fmt: skip
+                         residual, act, batches_tracked):  # fmt: skip
     """``op`` (the host's batch_norm_fwd or its with_program) on x made dense, with the running
     statistics written back; (op's result, x's memory format)."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
-    result = op(x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act)
+    # fmt: off
+    result = op(x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act,
+                batches_tracked)
+    # fmt: on
     if training:
         _write_back(running_mean, mean)
         _write_back(running_var, var)
@@ -312,13 +315,15 @@ def _batch_norm_fwd_cuda_program(
     eps,
     residual=None,
     act="identity",
+    batches_tracked=None,
 ):
     """(y, save_mean, save_rstd) of batch norm (with ``residual`` / ``act`` the fused op
-    y = act(norm(x) + residual)), and the recorded program that made them or None."""
+    y = act(norm(x) + residual)), and the recorded program that made them or None;
+    ``batches_tracked``: a module's batch counter, incremented in training."""
     # fmt: off
     ((y, save_mean, save_rstd), program), fmt = _batch_norm_fwd_host(
         _host().batch_norm_fwd.with_program, x, weight, bias, running_mean, running_var, training,
-        momentum, eps, residual, act)
+        momentum, eps, residual, act, batches_tracked)
     # fmt: on
     return (y.contiguous(memory_format=fmt), save_mean, save_rstd), program
 
@@ -334,12 +339,14 @@ def _batch_norm_fwd_cuda(
     eps,
     residual=None,
     act="identity",
+    batches_tracked=None,
 ):
-    """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual)."""
+    """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual);
+    ``batches_tracked``: a module's batch counter, incremented in training."""
     # fmt: off
     (y, save_mean, save_rstd), fmt = _batch_norm_fwd_host(
         _host().batch_norm_fwd, x, weight, bias, running_mean, running_var, training, momentum,
-        eps, residual, act)
+        eps, residual, act, batches_tracked)
     # fmt: on
     return y.contiguous(memory_format=fmt), save_mean, save_rstd
 
@@ -356,7 +363,8 @@ def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_m
 
 
 def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, momentum, eps, *epi):
-    """Batch norm; ``epi`` = (residual, act) for the fused op."""
+    """Batch norm; ``epi`` = (residual, act[, batches_tracked]) for the fused op and a module's
+    batch counter."""
     if x.is_cuda:
         return _batch_norm_fwd_cuda(
             x, weight, bias, running_mean, running_var, training, momentum, eps, *epi

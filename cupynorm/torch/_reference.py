@@ -206,12 +206,16 @@ def _batch_norm_fwd_reference(
     eps,
     residual=None,
     act="identity",
+    batches_tracked=None,
 ):
-    """Batch norm; with ``residual`` / ``act`` (the fused op) y = act(norm(x) + residual)."""
+    """Batch norm; with ``residual`` / ``act`` (the fused op) y = act(norm(x) + residual);
+    ``batches_tracked`` (a module's batch counter) is incremented in training."""
     stat = _stat_dtype(x.dtype)
     shape = _channel_shape(x)
     xs = x.to(stat)
     if training:
+        if batches_tracked is not None:
+            batches_tracked.add_(1)
         dims = [0, *range(2, x.dim())]
         var, mean = torch.var_mean(xs, dim=dims, correction=0)
         _update_running(running_mean, mean, momentum)

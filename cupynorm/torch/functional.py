@@ -148,9 +148,19 @@ def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, e
     return _instance_norm_fwd(*args)[0]
 
 
-def _apply_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+def _count_on_host(batches_tracked: Tensor | None) -> None:
+    """A module's batch counter incremented by a torch op, where no cupynorm kernel does it
+    (``_batch_norm``)."""
+    if batches_tracked is not None:
+        batches_tracked.add_(1)
+
+
+def _apply_batch_norm(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, batches_tracked=None
+):
     args = (x, weight, bias, running_mean, running_var, training, momentum, eps)
     if _traced(x):
+        _count_on_host(batches_tracked)
         y, _mean, _rstd, new_mean, new_var = batch_norm_fwd_op(*args)
         if new_mean is not None:
             running_mean.copy_(new_mean)
@@ -158,15 +168,17 @@ def _apply_batch_norm(x, weight, bias, running_mean, running_var, training, mome
             running_var.copy_(new_var)
         return y
     if _wants_grad(x, weight, bias):
-        return _BatchNormFunction.run(*args)[0]
-    return _batch_norm_fwd(*args)[0]
+        return _BatchNormFunction.run(*args, batches_tracked)[0]
+    return _batch_norm_fwd(*args, None, "identity", batches_tracked)[0]
 
 
 def _apply_batch_norm_act(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act
-) -> Tensor:
+    x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act,
+    batches_tracked=None,
+) -> Tensor:  # fmt: skip
     args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act)
     if _traced(x):
+        _count_on_host(batches_tracked)
         y, _mean, _rstd, new_mean, new_var = batch_norm_act_fwd_op(*args)
         if new_mean is not None:
             running_mean.copy_(new_mean)
@@ -176,8 +188,8 @@ def _apply_batch_norm_act(
     if _wants_grad(x, weight, bias) or (
         residual is not None and residual.requires_grad and torch.is_grad_enabled()
     ):
-        return _BatchNormActFunction.run(*args)[0]
-    return _batch_norm_fwd(*args)[0]
+        return _BatchNormActFunction.run(*args, batches_tracked)[0]
+    return _batch_norm_fwd(*args, batches_tracked)[0]
 
 
 def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
@@ -440,15 +452,36 @@ def batch_norm(
         >>> mean, var = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
         >>> y = cupynorm.torch.batch_norm(x, mean, var, training=True)
     """
-    _checks.check_tensor("batch_norm", "input", input)
-    if not _use_kernels(input):
+    # fmt: off
+    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                       None)
+    # fmt: on
+
+
+def _batch_norm(
+    input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked
+) -> Tensor:
+    """:func:`batch_norm` with a module's batch counter (``num_batches_tracked``, or None) to
+    increment: by the kernel that updates the running statistics (one launch fewer than torch's
+    module, whose ``add_`` is a kernel of its own), else by a torch op before the call, as torch's
+    module does it (also when the arguments are rejected)."""
+    try:
+        _checks.check_tensor("batch_norm", "input", input)
+        kernels = _use_kernels(input)
+        if kernels:
+            _checks.check_batch_norm(
+                input, running_mean, running_var, weight, bias, training, momentum, eps
+            )
+    except Exception:
+        _count_on_host(batches_tracked)
+        raise
+    if not kernels:
+        _count_on_host(batches_tracked)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    _checks.check_batch_norm(
-        input, running_mean, running_var, weight, bias, training, momentum, eps
-    )
-    return _apply_batch_norm(
-        input, weight, bias, running_mean, running_var, training, momentum, eps
-    )
+    # fmt: off
+    return _apply_batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+                             eps, batches_tracked)
+    # fmt: on
 
 
 def batch_norm_act(
@@ -483,17 +516,35 @@ def batch_norm_act(
         >>> mean, var = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
         >>> y = cupynorm.torch.batch_norm_act(x, mean, var, training=True, residual=identity)
     """
-    _checks.check_tensor("batch_norm_act", "input", input)
-    _checks.check_epilogue("batch_norm_act", input, residual, activation)
-    if not _use_kernels(input):
+    # fmt: off
+    return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum,
+                           eps, None, residual, activation)
+    # fmt: on
+
+
+def _batch_norm_act(
+    input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked,
+    residual=None, activation="relu",
+) -> Tensor:  # fmt: skip
+    """:func:`batch_norm_act` with a module's batch counter, as :func:`_batch_norm`."""
+    try:
+        _checks.check_tensor("batch_norm_act", "input", input)
+        _checks.check_epilogue("batch_norm_act", input, residual, activation)
+        kernels = _use_kernels(input)
+        if kernels:
+            _checks.check_batch_norm(
+                input, running_mean, running_var, weight, bias, training, momentum, eps
+            )
+    except Exception:
+        _count_on_host(batches_tracked)
+        raise
+    if not kernels:
+        _count_on_host(batches_tracked)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         return ACTIVATIONS[activation](y if residual is None else y + residual)
-    _checks.check_batch_norm(
-        input, running_mean, running_var, weight, bias, training, momentum, eps
-    )
     # fmt: off
     return _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training,
-                                 momentum, eps, residual, activation)
+                                 momentum, eps, residual, activation, batches_tracked)
     # fmt: on
 
 

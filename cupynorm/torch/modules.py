@@ -23,8 +23,8 @@ from torch import Tensor
 
 from ._reference import ACTIVATIONS
 from .functional import (
-    batch_norm,
-    batch_norm_act,
+    _batch_norm,
+    _batch_norm_act,
     group_norm,
     group_norm_act,
     instance_norm,
@@ -59,11 +59,15 @@ class _BatchNormForward:
     """``forward`` of ``torch.nn.modules.batchnorm._BatchNorm`` on :func:`batch_norm`."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return batch_norm(*self._batch_norm_args(input))
+        return _batch_norm(*self._batch_norm_args(input, count_in_kernel=True))
 
-    def _batch_norm_args(self, input: Tensor, check: bool = True) -> tuple:
-        """The arguments torch's ``_BatchNorm.forward`` hands ``F.batch_norm`` (and its
-        ``num_batches_tracked`` update); ``check=False``: the caller checked ``input``."""
+    def _batch_norm_args(
+        self, input: Tensor, check: bool = True, count_in_kernel: bool = False
+    ) -> tuple:
+        """The arguments torch's ``_BatchNorm.forward`` hands ``F.batch_norm``, and its
+        ``num_batches_tracked`` update: done here, or with ``count_in_kernel`` left to the
+        kernels (the counter is the last item, else None; the factor of ``momentum=None`` needs
+        the count here). ``check=False``: the caller checked ``input``."""
         if check:
             self._check_input_dim(input)
         # The exponential average factor exactly as torch's _BatchNorm.forward computes it.
@@ -71,8 +75,12 @@ class _BatchNormForward:
             exponential_average_factor = 0.0
         else:
             exponential_average_factor = self.momentum
+        counter = None
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+            if count_in_kernel and self.momentum is not None:
+                counter = self.num_batches_tracked
+            else:
+                self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
                 exponential_average_factor = 1.0 / float(self.num_batches_tracked)
         # Batch statistics in training, and in eval when there are no running statistics.
@@ -92,6 +100,7 @@ class _BatchNormForward:
             bn_training,
             exponential_average_factor,
             self.eps,
+            counter,
         )
 
 
@@ -251,7 +260,7 @@ class BatchNormAct2d(BatchNorm2d):
         self.activation = activation
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor:
-        args = self._batch_norm_args(input)
+        args = self._batch_norm_args(input, count_in_kernel=True)
         if torch.compiler.is_compiling() or (
             residual is not None
             and (residual.shape != input.shape or residual.dtype != input.dtype)
@@ -260,9 +269,9 @@ class BatchNormAct2d(BatchNorm2d):
             # broadcasts or promotes (fuse() cannot see shapes), and under torch.compile, whose
             # Inductor fuses them with their neighbours itself (resnet50 batch 256 compiled, H200:
             # 41.1 ms so, 51.1 ms with the fused op; benchmarks/NOTES.md)
-            y = batch_norm(*args)
+            y = _batch_norm(*args)
             return ACTIVATIONS[self.activation](y if residual is None else y + residual)
-        return batch_norm_act(*args, residual=residual, activation=self.activation)
+        return _batch_norm_act(*args, residual, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"

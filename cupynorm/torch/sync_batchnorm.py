@@ -318,7 +318,7 @@ class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
         self._check_input_dim(input)
         self._check_non_zero_input_channels(input)
         args = self._batch_norm_args(input, check=False)  # torch's factor and buffers
-        _, running_mean, running_var, _, _, bn_training, exponential_average_factor, _ = args
+        _, running_mean, running_var, _, _, bn_training, exponential_average_factor, _, _ = args
         if bn_training and self.training and synced:  # no communication in eval
             group = self.process_group if self.process_group else dist.group.WORLD
             world = dist.get_world_size(group)
@@ -328,7 +328,7 @@ class SyncBatchNorm(_BatchNormForward, torch.nn.SyncBatchNorm):
                                         running_var, self.eps, exponential_average_factor,
                                         group, world)
                 # fmt: on
-        return batch_norm(*args)
+        return batch_norm(*args[:8])
 
     @classmethod
     def convert_sync_batchnorm(
