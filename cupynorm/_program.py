@@ -9,8 +9,9 @@ operation, an input passed twice) is not recorded and always runs the full path.
 
 A replay is lean on purpose (it is the host time of every call after the first): each allocation
 is a closure with its arguments resolved, outputs shaped like an input are ``empty_like`` of it,
-and the call's scratch buffers (allocated, launched on, never returned) become one workspace
-allocation, each buffer at its own 256-byte-aligned offset.
+and the call's scratch buffers (allocated, launched on, never returned) become one workspace, each
+buffer at its own 256-byte-aligned offset: in the memory of an output that no launch touches until
+the scratch is dead, else one allocation of its own.
 """
 
 from __future__ import annotations
@@ -102,9 +103,32 @@ class _Recording:
             return None
         return self._build(tuple(indices))
 
+    def _host(self, outputs: tuple, scratch: list[int], workspace_bytes: int) -> int | None:
+        """An output that can hold the workspace (object index), or None: an uninitialized dense
+        allocation of at least its size that no launch touches before the last launch that
+        touches a scratch buffer (a forward's statistics are merged before its apply pass writes
+        y, so the partials can live in y's memory: one allocation fewer per call)."""
+        first: dict[int, int] = {}
+        last_scratch = -1
+        for step, (*_, slots) in enumerate(self.steps):
+            for _i, source in slots:
+                first.setdefault(source, step)
+                if source in scratch:
+                    last_scratch = step
+        for obj in outputs:
+            if obj is None or obj < self.n_inputs or first.get(obj, -1) <= last_scratch:
+                continue
+            if self.allocations[obj - self.n_inputs][0] not in ("empty", "empty_like"):
+                continue  # empty_strided may have gaps or overlaps; zeros are initialized
+            t = self.objects[obj]
+            if math.prod(t.shape) * _BYTES[self.bk.dtype_name(t)] >= workspace_bytes:
+                return obj
+        return None
+
     def _build(self, outputs: tuple) -> _Program:
-        """The replay: allocation closures, the scratch buffers merged into one workspace, the
-        launches' pointer slots as (argument, object, byte offset)."""
+        """The replay: allocation closures, the scratch buffers merged into one workspace (in an
+        output's memory where :meth:`_host` finds one), the launches' pointer slots as
+        (argument, object, byte offset)."""
         n_inputs = self.n_inputs
         kept = set(outputs) | {
             n_inputs + i for i, (m, _a) in enumerate(self.allocations) if m != "empty"
@@ -126,7 +150,11 @@ class _Recording:
             else:
                 allocations.append((self.bk.allocator(method, args, like), None))
         workspace = n_inputs + len(allocations)
-        if workspace_bytes:
+        scratch = [obj for obj, (index, _offset) in where.items() if index < 0]
+        host = self._host(outputs, scratch, workspace_bytes) if workspace_bytes else None
+        if host is not None:
+            workspace = where[host][0]
+        elif workspace_bytes:
             size = (workspace_bytes // 4,)
             allocations.append((self.bk.allocator("empty", (size, "float32"), like), None))
 

@@ -183,24 +183,45 @@ def test_inference_calls_pass_no_statistics(launches) -> None:
     assert args[4] == 0 and args[5] == 0  # mean, rstd: null pointers
 
 
-def test_scratch_buffers_are_one_workspace(launches) -> None:
+@pytest.mark.parametrize("hosted", [True, False], ids=["in-y", "own-allocation"])
+def test_scratch_buffers_are_one_workspace(launches, hosted) -> None:
     """A replay allocates its outputs and one workspace; each scratch buffer of the recorded call
-    is a 256-byte-aligned piece of it, and the pieces do not overlap."""
-    shape = (4, 6, 3, 3)
+    is a 256-byte-aligned piece of it, and the pieces do not overlap. The workspace lives in y's
+    memory when y is large enough: the statistics are merged before the apply pass writes y."""
+    shape = (4, 6, 3, 3) if hosted else (2, 6, 1, 2)  # y: 864 bytes, or 96 (pieces: 2 x 256)
     w, b, rm, rv = torch.rand(6), torch.rand(6), torch.zeros(6), torch.ones(6)
     _ops.batch_norm_fwd(torch.rand(shape), w, b, rm, rv, True, 0.1, 1e-5)
     (program,) = _program._PROGRAMS.values()
-    # outputs y, mean, rstd, then the workspace for the variance and the partial statistics
-    assert len(program.allocations) == 4
+    # outputs y, mean, rstd, and (unless y holds it) the workspace for the variance and the
+    # partial statistics
+    assert len(program.allocations) == (3 if hosted else 4)
     launches.clear()
     x = torch.rand(shape)
     y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
-    known = _pointers(x, w, b, rm, rv, y, mean, rstd)
-    scratch = sorted(
-        {a for *_, args in launches for a in args if isinstance(a, int) and a > 4096} - known
-    )
+    known = _pointers(x, w, b, rm, rv, mean, rstd)
+    used = [{a for a in args if isinstance(a, int) and a > 4096} - known for *_, args in launches]
+    scratch = sorted(set().union(*used[:-1]))
     assert len(scratch) == 2  # the variance and the partial statistics
     assert (scratch[1] - scratch[0]) % 256 == 0  # the second piece starts past the first's
+    assert used[-1] == {y.data_ptr()}  # the apply pass, the first and only launch on y
+    in_y = [y.data_ptr() <= p < y.data_ptr() + y.numel() * 4 for p in scratch]
+    assert in_y == [hosted, hosted]
+
+
+def test_no_workspace_in_an_output_a_scratch_user_touches(launches, monkeypatch) -> None:
+    """The single launch writes y and reads its partials in one kernel; the backward's dx pass
+    reads the coefficients u, v (scratch) while writing dx: their workspaces stay apart."""
+    from cupynorm import _single
+
+    monkeypatch.setattr(_single, "enabled", True)
+    x, w, b, rm, rv = _bn_cl()
+    y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    dy = torch.rand(x.shape).to(memory_format=torch.channels_last)
+    monkeypatch.setattr(_single, "enabled", False)
+    _ops.batch_norm_bwd(dy, x, mean, rstd, w, True, (True, True, True))
+    fwd, bwd = _program._PROGRAMS.values()
+    assert len(fwd.allocations) == 4  # y, mean, rstd, the workspace (partials, counter)
+    assert len(bwd.allocations) == 4  # dx, dweight, dbias, the workspace (u, v, partials)
 
 
 def test_outputs_like_an_input_are_allocated_like_it(launches) -> None:
@@ -561,6 +582,9 @@ def test_replay_launches_what_the_full_path_launches(launches, monkeypatch, case
             log.append((self.kernel, grid, tuple(block), smem, values, self.codes))
 
     monkeypatch.setattr(_compile, "launcher", lambda dev, src, k, *rest: Logged(k, rest[-1]))
+    # scratch in its own workspace, as the full path allocates it (in an output's memory:
+    # test_scratch_buffers_are_one_workspace)
+    monkeypatch.setattr(_program._Recording, "_host", lambda *args: None)
     op, make = _recorded_calls()[case]
     op(*make())  # recorded
     (program,) = _program._PROGRAMS.values()
