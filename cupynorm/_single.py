@@ -8,8 +8,15 @@ cooperative, so a grid that cannot be resident is refused by the driver instead 
 the call then runs the strided family's three passes. Each launch is preceded by a memset of its
 barrier counter on the same stream (recorded and replayed with it).
 
+When it runs (:data:`enabled`, measured on an H200 over resnet50's BatchNorm inputs at batches 8,
+64 and 256, benchmarks/NOTES.md 2026-11-26): the backward, where its planned grid fills most of the
+GPU and has a warp per channel for the merges (a BatchNorm backward of 64 channels of 112x112 at
+batch 64: 167 -> 139 us; 7% of the plain BatchNorm backward time of resnet50 at batches 64 and
+256); never the forward by default (as fast as the three passes at best, slower where the grid is
+small).
+
 :func:`batch_norm_fwd_cols` and :func:`batch_norm_bwd_cols` return False when the single launch
-does not apply (always, while :data:`enabled` is off); the caller then runs the strided passes.
+does not apply; the caller then runs the strided passes.
 """
 
 from __future__ import annotations
@@ -22,20 +29,19 @@ import numpy as np
 from . import _compile, _plan, _program
 from ._launch import _ITEMSIZE, _SINGLE, _Call, _scalar
 
-#: Largest input (bytes of x; the backward also reads dy) run in one launch. A first guess: the
-#: measurements (benchmarks/NOTES.md, 2026-11-23) say the planned grid, not the size, decides
-#: (few rows and many channels leave most SMs idle), which is how the choice should be made.
-MAX_BYTES = 32 << 20
-#: Off by default: over resnet50's layers it gained 2.4% of the norm time and it loses on layers
-#: with few rows of many channels (benchmarks/NOTES.md, 2026-11-23). A model test that once
+#: Largest input (bytes of x; the backward also reads dy) run in one launch: the grid decides,
+#: not the size; the gain held up to the largest measured (411 MB, benchmarks/NOTES.md).
+MAX_BYTES = 1 << 30
+#: None: the measured choice (the backward where :func:`_backward_pays`, never the forward);
+#: True: wherever it applies (the tests compare both paths); False: never. A model test that once
 #: differed with it on was traced to a different (equally accurate) summation order, not a bug.
-enabled = False  # see enable()
+enabled: bool | None = None  # see enable()
 _refused: set[tuple] = set()  # launches the driver refused: (device, kernel, dtypes, grid, smem)
 
 
-def enable(on: bool) -> None:
-    """Turn the single launch on or off (the tests compare both paths). Recorded calls are
-    forgotten, since a replay repeats the path its recording took."""
+def enable(on: bool | None) -> None:
+    """Turn the single launch on (True), off (False) or back to the measured choice (None).
+    Recorded calls are forgotten, since a replay repeats the path its recording took."""
     global enabled
     enabled = on
     _program._PROGRAMS.clear()
@@ -43,10 +49,21 @@ def enable(on: bool) -> None:
 
 def _fits(call: _Call, x: Any) -> bool:
     return (
-        enabled
+        enabled is not False
         and 0 < _plan.prod(tuple(x.shape)) * call.itemsize <= MAX_BYTES
         and _compile.has_cooperative_launch()
     )
+
+
+def _backward_pays(call: _Call, plan: _plan.ColsPlan, channels: int) -> bool:
+    """Whether the backward's single launch beats its three passes: a grid of at least 2/3 of
+    the SMs' count in CTAs (one wave; fewer leave the sums pass short of bandwidth) with a warp
+    for each channel in its merge phase. Measured (H200, bf16, resnet50's inputs): it won on every
+    input with 98 or more CTAs and at most 8 channels per CTA, and lost on all others (49 CTAs:
+    256 x 14x14 at batch 64, 18.5 -> 21.7 us; 1024 channels on 98 CTAs, 56.7 -> 63.2 us)."""
+    ctas = plan.ctas_per_sample
+    warps = plan.tx * plan.ty // 32
+    return 3 * ctas >= 2 * call.info.sm_count and channels <= ctas * warps
 
 
 def _grid(
@@ -97,8 +114,8 @@ def batch_norm_fwd_cols(
 ) -> bool:
     """y, mean, rstd (and the running statistics and batch counter, updated in the kernel) of
     BatchNorm training over x viewed as (rows, channels), channels innermost; False when it does
-    not apply."""
-    if not _fits(call, x):
+    not apply (unless :data:`enabled` is True)."""
+    if enabled is not True or not _fits(call, x):
         return False
     kernel = "single_launch_batch_norm_fwd_cols"
     acc_size = _ITEMSIZE[call.acc]
@@ -149,6 +166,8 @@ def batch_norm_bwd_cols(
         return threads * vec * 2 * acc_size  # bwd_sums_cols' block sums
 
     plan, smem = _grid(call, kernel, rows, channels, call.aligned(x, dy, dx), smem_of)
+    if enabled is None and not _backward_pays(call, plan, channels):
+        return False
     if _key(call, kernel, plan, smem) in _refused:
         return False
     partials = call.stats((channels * plan.ctas_per_sample * 2,), x)

@@ -3,7 +3,8 @@ on the BatchNorm inputs of a torchvision resnet50 at one batch size (bf16, fp32 
 
 Each measurement is 20 calls captured in one CUDA graph and replayed (no host time in it), CUDA
 events around the replay, median of 7; forward alone and forward + backward. The single launch is
-forced for every size here (MAX_BYTES lifted) to find where it stops paying.
+forced for every size here (MAX_BYTES lifted) to find where it stops paying, and the forward +
+backward is also timed as cupynorm chooses by default (``_single.enabled = None``).
 
 Usage: python scripts/profile_single_launch.py [--batch N]
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cupynorm import _ops, _single  # noqa: E402
+from cupynorm import _launch, _ops, _plan, _single  # noqa: E402
 
 # (channels, spatial) of resnet50's BatchNorm inputs, each with how many layers have it
 LAYERS = [
@@ -51,7 +52,8 @@ def graphed_us(fn) -> float:
 
 
 def measure(batch: int, c: int, s: int) -> list[float]:
-    """[forward split, forward single, fwd+bwd split, fwd+bwd single] us per call."""
+    """[forward split, forward single, fwd+bwd split, fwd+bwd single, fwd+bwd as cupynorm
+    chooses by default] us per call."""
     x = torch.randn(batch, c, s, s, device="cuda", dtype=torch.bfloat16)
     x = x.to(memory_format=torch.channels_last)
     dy = torch.randn_like(x)
@@ -70,7 +72,21 @@ def measure(batch: int, c: int, s: int) -> list[float]:
         for single in (False, True):
             _single.enable(single)
             row.append(graphed_us(fn))
-    return row
+    _single.enable(None)  # the default: the single launch where it measured faster
+    row.append(graphed_us(step))
+    return row, single_grid(x, w, batch * s * s, c)
+
+
+def single_grid(x, w, rows: int, channels: int) -> int:
+    """CTAs of the single-launch forward (one wave of its resident CTAs, as planned)."""
+    call = _launch._Call(x, w)
+
+    def smem_of(threads: int, vec: int, staged: bool) -> int:
+        return _plan.stats_cols_smem(threads, vec, staged, 4)
+
+    kernel = "single_launch_batch_norm_fwd_cols"
+    plan, _smem = _single._grid(call, kernel, rows, channels, call.aligned(x), smem_of)
+    return plan.ctas_per_sample
 
 
 def main() -> None:
@@ -79,17 +95,20 @@ def main() -> None:
     args = parser.parse_args()
     _single.MAX_BYTES = 1 << 40
     print(f"resnet50 BatchNorm inputs, batch {args.batch}, bf16 channels_last, fp32 parameters;")
-    print("us per call (graphed): forward split / single, forward+backward split / single")
-    totals = [0.0] * 4
+    print("us per call (graphed): forward split / single, forward+backward split / single /")
+    print("as cupynorm chooses by default")
+    totals = [0.0] * 5
     for c, s, layers in LAYERS:
-        row = measure(args.batch, c, s)
-        for i in range(4):
+        row, grid = measure(args.batch, c, s)
+        for i in range(5):
             totals[i] += row[i] * layers
         mb = args.batch * c * s * s * 2 / 1e6
         print(f"C={c:5d} {s:3d}x{s:<3d} {mb:6.1f} MB x{layers:2d}: fwd {row[0]:7.1f} / "
-              f"{row[1]:7.1f}   fwd+bwd {row[2]:7.1f} / {row[3]:7.1f}")  # fmt: skip
+              f"{row[1]:7.1f}   fwd+bwd {row[2]:7.1f} / {row[3]:7.1f} / {row[4]:7.1f}   "
+              f"CTAs {grid}")  # fmt: skip
     print(f"all 53 layers, ms per step: fwd {totals[0] / 1e3:.3f} / {totals[1] / 1e3:.3f}, "
-          f"fwd+bwd {totals[2] / 1e3:.3f} / {totals[3] / 1e3:.3f}")  # fmt: skip
+          f"fwd+bwd {totals[2] / 1e3:.3f} / {totals[3] / 1e3:.3f} / "
+          f"{totals[4] / 1e3:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

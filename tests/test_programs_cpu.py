@@ -275,13 +275,40 @@ def test_batch_norm_channels_last_training_is_one_cooperative_launch(launches, m
     assert args[2] == 0 and args[8] == 0 and args[9] == 0  # no dx: no dx coefficients
 
 
+@pytest.mark.parametrize(
+    "shape, single",
+    [
+        ((16, 64, 56, 56), True),  # 98 CTAs (88 needed on 132 SMs), 64 channels
+        ((4, 16, 5, 7), False),  # one CTA
+        ((64, 1024, 14, 14), False),  # 98 CTAs of 8 warps for 1024 channels
+    ],
+    ids=["fills-the-gpu", "small-grid", "many-channels"],
+)
+def test_single_launch_backward_by_default_where_it_pays(launches, monkeypatch, shape, single):
+    from cupynorm import _single
+
+    x, w, b, rm, rv = _bn_cl(shape)
+    y, mean, rstd = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    dy = torch.rand(x.shape).to(memory_format=torch.channels_last)
+    for enabled, expected in ((None, single), (False, False)):
+        monkeypatch.setattr(_single, "enabled", enabled)
+        _program._PROGRAMS.clear()
+        launches.clear()
+        _ops.batch_norm_bwd(dy, x, mean, rstd, w, True, (True, True, True))
+        kernels = [k for k, *_ in launches]
+        if expected:
+            assert kernels == ["memset", "single_launch_batch_norm_bwd_cols"]
+        else:
+            assert "single_launch_batch_norm_bwd_cols" not in kernels and len(kernels) == 3
+
+
 def test_single_launch_is_off_by_default_bounded_and_can_be_turned_off(
     launches, monkeypatch
 ) -> None:
     from cupynorm import _single
 
     x, w, b, rm, rv = _bn_cl()
-    assert not _single.enabled
+    assert _single.enabled is None  # the measured choice: never the forward
     _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
     split = ["strided_norm_stats_cols", "strided_norm_finalize", "strided_norm_apply_cols"]
     assert [k for k, *_ in launches] == split
