@@ -15,6 +15,7 @@
 //              -> barrier -> bwd_dx (apply_cols, backward form)
 // The partials are merged in the same fixed order as the split passes: bitwise reproducible.
 #define STRIDED_NORM_DEVICE_ONLY
+#define STRIDED_NORM_COHERENT_LOADS  // what a pass reads after a barrier: ordinary loads
 #include "strided_norm.cu"
 
 // Every thread's earlier global writes are visible to the whole grid once the barrier returns.

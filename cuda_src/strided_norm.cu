@@ -27,6 +27,20 @@
 // family, single_launch_norm.cu, includes this file for them).
 #include "common.cuh"
 
+// Loads of the statistics, the dx coefficients and the partials: the single-launch family
+// (single_launch_norm.cu, which defines STRIDED_NORM_COHERENT_LOADS) reads them in the kernel that
+// wrote them, after a grid barrier, where the read-only path (ld.global.nc, which the compiler may
+// pick for a `const __restrict__` parameter) is not allowed; there they are explicit ordinary
+// loads (__ldca: ld.global.ca, which the barrier's fences order). Elsewhere they are plain
+// dereferences. (Through L2 instead, __ldcg, every thread's coefficient loads made resnet50's
+// norm layers 1.6x slower in the split passes and the single launch slower than them:
+// benchmarks/NOTES.md.)
+#ifdef STRIDED_NORM_COHERENT_LOADS
+#define LOAD_WRITTEN(p) __ldca(p)
+#else
+#define LOAD_WRITTEN(p) (*(p))
+#endif
+
 #define UNROLL 4
 // Rows per channel a columns-statistics thread reduces exactly before one merge; its block is at
 // most COLS_THREADS_MAX threads (_plan.COLS_THREADS).
@@ -300,7 +314,8 @@ __device__ __forceinline__ void finalize_set(
         for (int i = 0; i < FINALIZE_BATCH; ++i) {
             const int64 p = p0 + 32 * i;
             const acc_t* t = partials + 3 * (k * P + p);
-            batch[i] = p < P ? Stats{t[0], t[1], t[2]} : stats_empty();
+            batch[i] = p < P ? Stats{LOAD_WRITTEN(t), LOAD_WRITTEN(t + 1), LOAD_WRITTEN(t + 2)}
+                             : stats_empty();
         }
 #pragma unroll
         for (int i = 0; i < FINALIZE_BATCH; ++i) st = stats_merge(st, batch[i]);
@@ -361,7 +376,8 @@ struct Coeffs {
 // What x is centred by: the set's mean, less the element's addend (see the top of this file).
 __device__ __forceinline__ acc_t mean_of(int64 k, int64 nc, const acc_t* __restrict__ mean,
                                          const scalar_t* __restrict__ addend) {
-    return addend != nullptr ? mean[k] - to_acc(addend[nc]) : mean[k];
+    const acc_t m = LOAD_WRITTEN(mean + k);
+    return addend != nullptr ? m - to_acc(addend[nc]) : m;
 }
 
 template <bool BACKWARD>
@@ -378,11 +394,11 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
     Coeffs f;
     f.mean = mean_of(k, n * C + c, mean, addend);
     if (BACKWARD) {
-        f.a = u[k];
-        f.b = v[k];
-        f.g = rstd[k] * w;
+        f.a = LOAD_WRITTEN(u + k);
+        f.b = LOAD_WRITTEN(v + k);
+        f.g = LOAD_WRITTEN(rstd + k) * w;
     } else {
-        f.a = rstd[k] * w;
+        f.a = LOAD_WRITTEN(rstd + k) * w;
         f.b = bias != nullptr ? to_acc(bias[c]) : acc_t(0);
         f.g = acc_t(0);
     }
@@ -902,8 +918,8 @@ __device__ __forceinline__ void bwd_finalize_warp(
             const int64 n = j / T, t = j % T;
             const acc_t* p = partials + 2 * ((n * C + c) * T + t);
             const int64 k = groups > 0 ? n * groups + c / chans_per_group : c;
-            db += p[0];
-            dw += rstd[k] * p[1];
+            db += LOAD_WRITTEN(p);
+            dw += rstd[k] * LOAD_WRITTEN(p + 1);
         }
         dw = warp_sum(dw);
         db = warp_sum(db);
@@ -927,16 +943,16 @@ __device__ __forceinline__ void bwd_finalize_warp(
             const int64 c = c0 + j / T, t = j % T;
             const acc_t* p = partials + 2 * ((n * C + c) * T + t);
             const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
-            P += w * p[0];
-            Q += w * p[1];
+            P += w * LOAD_WRITTEN(p);
+            Q += w * LOAD_WRITTEN(p + 1);
         }
     } else {  // set c: every sample
         const int64 c = k;
         for (int64 j = lane; j < NP * T; j += 32) {
             const int64 n = j / T, t = j % T;
             const acc_t* p = partials + 2 * ((n * C + c) * T + t);
-            P += p[0];
-            Q += p[1];
+            P += LOAD_WRITTEN(p);
+            Q += LOAD_WRITTEN(p + 1);
         }
         const acc_t w = weight != nullptr ? to_acc(weight[c]) : acc_t(1);
         P *= w;

@@ -7,7 +7,10 @@ each bottleneck). Forward + backward, 20 calls captured in one CUDA graph (no ho
 events around the replay, median of 7; torch's side is F.batch_norm, the add and the ReLU as
 resnet50 runs them. Prints us per call per layer form and ms per training step over the model.
 
-Usage: python scripts/profile_resnet50_norms.py [--batch N]
+``--no-single`` turns the single-launch family off (the split passes only), to set beside the
+default choice.
+
+Usage: python scripts/profile_resnet50_norms.py [--batch N] [--no-single]
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cupynorm import _ops  # noqa: E402
+from cupynorm import _ops, _single  # noqa: E402
 
 # the same graphed timing (20 calls in one CUDA graph, median of 7) as the single-launch profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,8 +76,13 @@ def measure(batch: int, c: int, s: int, form: str) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--no-single", action="store_true", help="split passes only")
     args = parser.parse_args()
+    if args.no_single:
+        _single.enable(False)
+    which = "split passes only" if args.no_single else "default"
     print(f"resnet50 norm layers as fuse runs them, batch {args.batch}, bf16 channels_last;")
+    print(f"single launch: {which}")
     print("us per forward+backward (graphed): cupynorm / torch")
     ours_total = theirs_total = 0.0
     for c, s, layers, form in LAYERS:
