@@ -11,9 +11,9 @@ barrier counter on the same stream (recorded and replayed with it).
 When it runs (:data:`enabled`, measured on an H200 over resnet50's BatchNorm inputs at batches 8,
 64 and 256, benchmarks/NOTES.md 2026-11-26): the backward, where its planned grid fills most of the
 GPU and has a warp per channel for the merges (a BatchNorm backward of 64 channels of 112x112 at
-batch 64: 167 -> 139 us; 7% of the plain BatchNorm backward time of resnet50 at batches 64 and
-256); never the forward by default (as fast as the three passes at best, slower where the grid is
-small).
+batch 64: 167 -> 139 us; -6% / -7% of the plain BatchNorm forward + backward time over resnet50's
+inputs at batches 64 / 256); never the forward by default (as fast as the three passes at best,
+slower where the grid is small).
 
 :func:`batch_norm_fwd_cols` and :func:`batch_norm_bwd_cols` return False when the single launch
 does not apply; the caller then runs the strided passes.

@@ -234,6 +234,20 @@ def test_kernel_route_counts_batches_like_torch(kernel_path, momentum):
         torch.testing.assert_close(a.running_var, b.running_var)
 
 
+def test_batch_counter_goes_to_the_kernels_only_as_an_int64_beside_the_input():
+    m = cnt.BatchNorm2d(3)
+    x = torch.randn(2, 3, 4, 4)
+    assert m._batch_norm_args(x, count_in_kernel=True)[-1] is m.num_batches_tracked
+    assert int(m.num_batches_tracked) == 0  # left to the kernels
+    assert m._batch_norm_args(x)[-1] is None and int(m.num_batches_tracked) == 1
+    m.num_batches_tracked = torch.tensor(5, dtype=torch.int32)  # replaced by the user
+    assert m._batch_norm_args(x, count_in_kernel=True)[-1] is None
+    assert int(m.num_batches_tracked) == 6
+    m.eval()
+    assert m._batch_norm_args(x, count_in_kernel=True)[-1] is None
+    assert int(m.num_batches_tracked) == 6
+
+
 def test_kernel_route_frozen_parameters(kernel_path):
     """Weight not requiring grad: only the input gradient is computed and returned."""
     a, b = _pair(cnt.BatchNorm2d, nn.BatchNorm2d, dict(affine=True), dtype=torch.float64)

@@ -77,10 +77,13 @@ class _BatchNormForward:
             exponential_average_factor = self.momentum
         counter = None
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            if count_in_kernel and self.momentum is not None:
-                counter = self.num_batches_tracked
+            tracked = self.num_batches_tracked
+            # the kernels add to an int64 beside the input (torch's buffer, unless replaced)
+            in_kernel = tracked.dtype == torch.long and tracked.device == input.device
+            if count_in_kernel and self.momentum is not None and in_kernel:
+                counter = tracked
             else:
-                self.num_batches_tracked.add_(1)
+                tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
                 exponential_average_factor = 1.0 / float(self.num_batches_tracked)
         # Batch statistics in training, and in eval when there are no running statistics.
