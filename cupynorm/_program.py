@@ -103,7 +103,7 @@ class _Recording:
             return None
         return self._build(tuple(indices))
 
-    def _host(self, outputs: tuple, scratch: list[int], workspace_bytes: int) -> int | None:
+    def _host(self, outputs: tuple, scratch: set[int], workspace_bytes: int) -> int | None:
         """An output that can hold the workspace (object index), or None: an uninitialized dense
         allocation of at least its size that no launch touches before the last launch that
         touches a scratch buffer (a forward's statistics are merged before its apply pass writes
@@ -150,7 +150,7 @@ class _Recording:
             else:
                 allocations.append((self.bk.allocator(method, args, like), None))
         workspace = n_inputs + len(allocations)
-        scratch = [obj for obj, (index, _offset) in where.items() if index < 0]
+        scratch = {obj for obj, (index, _offset) in where.items() if index < 0}
         host = self._host(outputs, scratch, workspace_bytes) if workspace_bytes else None
         if host is not None:
             workspace = where[host][0]

@@ -155,6 +155,33 @@ def _count_on_host(batches_tracked: Tensor | None) -> None:
         batches_tracked.add_(1)
 
 
+def _batch_norm_on_kernels(
+    fn: str,
+    args: tuple,
+    batches_tracked: Tensor | None,
+    residual: Tensor | None = None,
+    activation: str | None = None,
+) -> bool:
+    """The checks of a batch norm call (``args``: F.batch_norm's; ``activation`` given: the fused
+    op's epilogue too) and whether it runs on cupynorm's kernels. A module's batch counter is
+    incremented here, by a torch op, when the call is rejected or goes to torch: as torch's module
+    counts it before its F.batch_norm (the kernels count the calls they run)."""
+    input = args[0]
+    try:
+        _checks.check_tensor(fn, "input", input)
+        if activation is not None:
+            _checks.check_epilogue(fn, input, residual, activation)
+        kernels = _use_kernels(input)
+        if kernels:
+            _checks.check_batch_norm(*args)
+    except Exception:
+        _count_on_host(batches_tracked)
+        raise
+    if not kernels:
+        _count_on_host(batches_tracked)
+    return kernels
+
+
 def _apply_batch_norm(
     x, weight, bias, running_mean, running_var, training, momentum, eps, batches_tracked=None
 ):
@@ -463,21 +490,11 @@ def _batch_norm(
 ) -> Tensor:
     """:func:`batch_norm` with a module's batch counter (``num_batches_tracked``, or None) to
     increment: by the kernel that updates the running statistics (one launch fewer than torch's
-    module, whose ``add_`` is a kernel of its own), else by a torch op before the call, as torch's
-    module does it (also when the arguments are rejected)."""
-    try:
-        _checks.check_tensor("batch_norm", "input", input)
-        kernels = _use_kernels(input)
-        if kernels:
-            _checks.check_batch_norm(
-                input, running_mean, running_var, weight, bias, training, momentum, eps
-            )
-    except Exception:
-        _count_on_host(batches_tracked)
-        raise
-    if not kernels:
-        _count_on_host(batches_tracked)
-        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    module, whose ``add_`` is a kernel of its own), else by a torch op
+    (:func:`_batch_norm_on_kernels`)."""
+    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not _batch_norm_on_kernels("batch_norm", args, batches_tracked):
+        return F.batch_norm(*args)
     # fmt: off
     return _apply_batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
                              eps, batches_tracked)
@@ -527,20 +544,9 @@ def _batch_norm_act(
     residual=None, activation="relu",
 ) -> Tensor:  # fmt: skip
     """:func:`batch_norm_act` with a module's batch counter, as :func:`_batch_norm`."""
-    try:
-        _checks.check_tensor("batch_norm_act", "input", input)
-        _checks.check_epilogue("batch_norm_act", input, residual, activation)
-        kernels = _use_kernels(input)
-        if kernels:
-            _checks.check_batch_norm(
-                input, running_mean, running_var, weight, bias, training, momentum, eps
-            )
-    except Exception:
-        _count_on_host(batches_tracked)
-        raise
-    if not kernels:
-        _count_on_host(batches_tracked)
-        y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not _batch_norm_on_kernels("batch_norm_act", args, batches_tracked, residual, activation):
+        y = F.batch_norm(*args)
         return ACTIVATIONS[activation](y if residual is None else y + residual)
     # fmt: off
     return _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training,
