@@ -46,7 +46,7 @@
         const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 C, int64 S,         \
         int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
         int64 tiles_per_plane, int64 tile_len, int vectorized, FUSED_SUMS_EPILOGUE_PARAMS) {    \
-        const Epilogue ep{z, dt};                                                              \
+        const Epilogue ep{z, dt, nullptr};                                                     \
         if (vectorized)                                                                        \
             bwd_sums_rows<VEC, ACT, RESID>(x, dy, mean, partials, C, S, sample_stride,         \
                                            chan_stride, groups, chans_per_group,               \
@@ -64,7 +64,7 @@
         const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 R, int64 C,         \
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
         int64 ctas_per_n, int vectorized, FUSED_SUMS_EPILOGUE_PARAMS) {                         \
-        const Epilogue ep{z, dt};                                                              \
+        const Epilogue ep{z, dt, nullptr};                                                     \
         if (vectorized)                                                                        \
             bwd_sums_cols<VEC, ACT>(x, dy, mean, partials, R, C, row_stride, sample_stride,    \
                                     groups, chans_per_group, ctas_per_n, ep, weight, bias,     \
@@ -95,6 +95,34 @@ FUSED_APPLY(silu, ACT_SILU, false)
 FUSED_APPLY(add_identity, ACT_IDENTITY, true)
 FUSED_APPLY(add_relu, ACT_RELU, true)
 FUSED_APPLY(add_silu, ACT_SILU, true)
+
+// ReLU with a residual on the columns, keeping the ReLU's mask for the backward (see "Fused
+// epilogue" in strided_norm.cu): the forward on 16-byte packs of 8 elements only (the host asks
+// for a mask only then), and the backward sums reading the mask instead of the residual (z null)
+// with any packs. Kernels of their own: the mask's code costs the others registers even when off.
+extern "C" __global__ void fused_norm_apply_cols_add_relu_mask(APPLY_COLS_PARAMS,
+                                                               unsigned char* relu_mask) {
+    if (vectorized && VEC == 8)
+        apply_cols<VEC, false, ACT_RELU, true, true>(APPLY_COLS_ARGS, relu_mask);
+    else
+        __trap();  // no mask layout for these packs: never launched so
+}
+
+extern "C" __global__ void fused_norm_bwd_sums_cols_relu_mask(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 R, int64 C,
+    int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group, int64 ctas_per_n,
+    int vectorized, FUSED_SUMS_EPILOGUE_PARAMS, const unsigned char* __restrict__ relu_mask) {
+    const Epilogue ep{nullptr, dt, relu_mask};
+    if (vectorized)
+        bwd_sums_cols<VEC, ACT_RELU, true>(x, dy, mean, partials, R, C, row_stride, sample_stride,
+                                           groups, chans_per_group, ctas_per_n, ep, weight, bias,
+                                           rstd, addend);
+    else
+        bwd_sums_cols<1, ACT_RELU, true>(x, dy, mean, partials, R, C, row_stride, sample_stride,
+                                         groups, chans_per_group, ctas_per_n, ep, weight, bias,
+                                         rstd, addend);
+}
 FUSED_SUMS_ROWS(relu, ACT_RELU, false)
 FUSED_SUMS_ROWS(silu, ACT_SILU, false)
 FUSED_SUMS_ROWS(add_relu, ACT_RELU, true)

@@ -416,6 +416,11 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
 // activation's backward, then the norm's) hand the norm. Without a residual, the sums pass and the
 // dx pass both turn dy into dt (no extra traffic: the plain backward's 5 passes); with one, dt is
 // also the residual's gradient, so the sums pass writes it (ep.dt) and the plain dx pass reads it.
+// ReLU with a residual on 16-byte packs of 8 channels-innermost elements: the forward also keeps
+// the ReLU's mask, bit e of byte j for element 8j + e of x's layout set where t > 0 (1/16 of a
+// 16-bit tensor), and the backward's sums pass reads it instead of the residual (2 + 1/16 reads
+// instead of 3: the pass that recomputes t for the mask alone). The mask is the recomputed t's
+// sign, so both give the same bits.
 // ACT is a template parameter: ACT_PLAIN (no epilogue: the plain kernels of this file, whose
 // registers the epilogue must not cost) or one of the activations, whose kernels are the fused
 // family's (fused_norm.cu, compiled only when a fused call needs it).
@@ -425,8 +430,9 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
 #define ACT_SILU 2
 
 struct Epilogue {
-    const scalar_t* z;  // the residual (part of t) or null
-    scalar_t* dt;       // backward: where the sums pass writes dL/dt, or null (not kept)
+    const scalar_t* z;         // the residual (part of t) or null
+    scalar_t* dt;              // backward: where the sums pass writes dL/dt, or null (not kept)
+    const unsigned char* mask; // backward, ReLU: the forward's mask (z null then), or null
 };
 
 template <int ACT>
@@ -456,11 +462,32 @@ __device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, co
     }
 }
 
-// forward: other = z (read only when z is given); backward: other = dy.
+// The mask bits of the V elements from element index i of x's layout (i % 8 == 0 when V == 8).
+template <int V>
+__device__ __forceinline__ unsigned relu_mask_bits(const unsigned char* __restrict__ mask, int64 i) {
+    if (V == 8) return mask[i / 8];
+    unsigned bits = 0;
+#pragma unroll
+    for (int e = 0; e < V; ++e) bits |= ((mask[(i + e) / 8] >> ((i + e) % 8)) & 1u) << e;
+    return bits;
+}
+
+// dy -> dt for one pack from the mask: dy where t > 0, else 0 (activation_grad's ReLU, exactly)
+template <int V>
+__device__ __forceinline__ void relu_mask_grad(Pack<V>& g, unsigned bits) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+        if (!((bits >> e) & 1u)) g.v[e] = from_acc<scalar_t>(acc_t(0));
+}
+
+// forward: other = z (read only when z is given); backward: other = dy. relu_bits (forward with
+// an activation): where the pack's ReLU mask goes (bit e: t > 0), or null.
 template <int V, bool BACKWARD, int ACT>
 __device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& other,
-                                              const Coeffs* f, bool has_z) {
+                                              const Coeffs* f, bool has_z,
+                                              unsigned* relu_bits = nullptr) {
     Pack<V> out;
+    if (relu_bits != nullptr) *relu_bits = 0;
 #pragma unroll
     for (int e = 0; e < V; ++e) {
         const Coeffs& c = f[e];
@@ -469,6 +496,7 @@ __device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& o
             r += to_acc(other.v[e]) * c.g;
         } else if (ACT != ACT_PLAIN) {
             if (has_z) r += to_acc(other.v[e]);
+            if (relu_bits != nullptr) *relu_bits |= static_cast<unsigned>(r > acc_t(0)) << e;
             r = activate<ACT>(r);
         }
         out.v[e] = from_acc<scalar_t>(r);
@@ -569,8 +597,10 @@ extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
 #endif
 
 // columns layout. Block (TX, TY) and grid as in stats_cols, each CTA taking its sample's blocks of
-// UNROLL * TY rows as the statistics pass does.
-template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false>
+// UNROLL * TY rows as the statistics pass does. MASK: the forward of ReLU with a residual on packs
+// of 8 keeps its mask in relu_mask (see "Fused epilogue"; a kernel of its own: the mask's stores
+// cost the others registers even when off).
+template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false, bool MASK = false>
 __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            const scalar_t* __restrict__ dy,
                                            scalar_t* __restrict__ out,
@@ -582,11 +612,15 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            int64 R, int64 C, int64 row_stride, int64 sample_stride,
                                            int groups, int64 chans_per_group, int64 ctas_per_n,
                                            const scalar_t* __restrict__ z,
-                                           const scalar_t* __restrict__ addend) {
+                                           const scalar_t* __restrict__ addend,
+                                           unsigned char* __restrict__ relu_mask = nullptr) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int TY = blockDim.y;
     const scalar_t* __restrict__ other = BACKWARD ? dy : z;  // as in apply_rows
     constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
+    // the mask's byte of a pack: element (base + r * row_stride + cp * 8) / 8
+    constexpr bool masked = MASK && has_z && ACT == ACT_RELU && V == 8;
+    const int64 mask_step = TY * row_stride / 8;
     const int64 block_rows = COLS_APPLY_UNROLL * TY;
     const int64 blocks = (R + block_rows - 1) / block_rows;
     const int64 n_packs = C / V;
@@ -616,11 +650,16 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                     if (BACKWARD || has_z)
                         g[i] = load_pack<V>(other + base + (r + i * TY) * row_stride, cp);
                 }
+                unsigned char* mask_row = masked ? relu_mask + (base + r * row_stride) / 8 + cp
+                                                 : nullptr;
 #pragma unroll
                 for (int i = 0; i < COLS_APPLY_UNROLL; ++i) {
                     if (grad_act) activation_grad<V, ACT>(g[i], p[i], g[i], fw, false);
+                    unsigned bits;
                     store_pack<V>(out + base + (r + i * TY) * row_stride, cp,
-                                   apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z));
+                                  apply_pack<V, BACKWARD, ACT>(p[i], g[i], f, has_z,
+                                                               masked ? &bits : nullptr));
+                    if (masked) mask_row[i * mask_step] = static_cast<unsigned char>(bits);
                 }
             }
             for (; r < r1; r += TY) {  // the sample's last block may be partial
@@ -628,8 +667,12 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                 Pack<V> g;
                 if (BACKWARD || has_z) g = load_pack<V>(other + base + r * row_stride, cp);
                 if (grad_act) activation_grad<V, ACT>(g, p, g, fw, false);
+                unsigned bits;
                 store_pack<V>(out + base + r * row_stride, cp,
-                              apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
+                              apply_pack<V, BACKWARD, ACT>(p, g, f, has_z,
+                                                           masked ? &bits : nullptr));
+                if (masked)
+                    relu_mask[(base + r * row_stride) / 8 + cp] = static_cast<unsigned char>(bits);
             }
         }
     }
@@ -779,7 +822,7 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
 // a compile-time choice as in the rows kernel, the fused columns sums were slower (BatchNorm +
 // ReLU over resnet50's layers 5.39 -> 5.52 ms per step, GroupNorm + SiLU channels_last backward
 // 111 -> 126-131 us; benchmarks/NOTES.md).
-template <int V, int ACT = ACT_PLAIN>
+template <int V, int ACT = ACT_PLAIN, bool MASK = false>
 __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                               const scalar_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
@@ -799,6 +842,9 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
     const int64 n_packs = C / V;
     const int64 base = n * sample_stride;
     const scalar_t* __restrict__ aux = ACT != ACT_PLAIN ? ep.z : nullptr;
+    // MASK (ReLU): dt from the forward's mask instead of t (z is null then; a byte per 8 elements)
+    static_assert(!MASK || ACT == ACT_RELU, "the mask is the ReLU's");
+    const unsigned char* __restrict__ mask = MASK ? ep.mask : nullptr;
     for (int64 tile = static_cast<int64>(blockIdx.y) * TX; tile < n_packs;
          tile += static_cast<int64>(TX) * gridDim.y) {  // channel tiles as in stats_cols
         const int64 cp = tile + tx;
@@ -812,14 +858,18 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                 const int64 c = cp * V + e;
                 m[e] = mean_of(groups > 0 ? n * groups + c / chans_per_group : c, n * C + c, mean,
                                addend);
-                if (ACT != ACT_PLAIN)
+                if (ACT != ACT_PLAIN && !MASK)  // t is recomputed (with the mask it is not)
                     f[e] = coeffs_of<false>(n, c, weight, bias, mean, rstd, nullptr, nullptr,
                                             groups, chans_per_group, C, addend);
             }
             // row r's contribution once its packs are loaded (dy turned into dt first when fused)
-            auto add_row = [&](int64 r, const Pack<V>& p, Pack<V> g, const Pack<V>& a) {
+            auto add_row = [&](int64 r, const Pack<V>& p, Pack<V> g, const Pack<V>& a,
+                               unsigned bits) {
                 if (ACT != ACT_PLAIN) {
-                    activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
+                    if (MASK)
+                        relu_mask_grad<V>(g, bits);
+                    else
+                        activation_grad<V, ACT>(g, p, a, f, aux != nullptr);
                     if (ep.dt != nullptr) store_pack<V>(ep.dt + base + r * row_stride, cp, g);
                 }
 #pragma unroll
@@ -832,30 +882,39 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
             // ROWS rows at a time with all their loads issued first (one row at a time was
             // load-latency bound); the same order of additions as one at a time. The fused
             // kernels also load the residual: 4 rows (bf16 167 registers) measured 1.4% faster
-            // over resnet50's layers than 2 (117 registers)
-            constexpr int ROWS = ACT == ACT_PLAIN ? COLS_APPLY_UNROLL : COLS_APPLY_UNROLL / 2;
+            // over resnet50's layers than 2 (117 registers). With the mask instead of the
+            // residual, 8 rows (168 registers) beat 4 (124): resnet50's add + ReLU layers at
+            // batch 64, H100, 6.16 against 6.19 ms for all the norm layers
+            constexpr int ROWS =
+                ACT == ACT_PLAIN || MASK ? COLS_APPLY_UNROLL : COLS_APPLY_UNROLL / 2;
             for (int64 b = chunk; b < blocks; b += ctas_per_n) {
                 const int64 r1 = min(b * block_rows + block_rows, R);
                 int64 r = b * block_rows + ty;
                 for (; r + (ROWS - 1) * TY < r1; r += ROWS * TY) {
                     Pack<V> p[ROWS], g[ROWS], a[ACT != ACT_PLAIN ? ROWS : 1];
+                    unsigned bits[ROWS];
 #pragma unroll
                     for (int i = 0; i < ROWS; ++i) {
                         p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
                         g[i] = load_pack<V>(dy + base + (r + i * TY) * row_stride, cp);
-                        if (ACT != ACT_PLAIN && aux != nullptr)
+                        if (ACT != ACT_PLAIN && !MASK && aux != nullptr)
                             a[i] = load_pack<V>(aux + base + (r + i * TY) * row_stride, cp);
+                        bits[i] =
+                            MASK ? relu_mask_bits<V>(mask, base + (r + i * TY) * row_stride + cp * V)
+                                 : 0u;
                     }
 #pragma unroll
                     for (int i = 0; i < ROWS; ++i)
-                        add_row(r + i * TY, p[i], g[i], a[ACT != ACT_PLAIN ? i : 0]);
+                        add_row(r + i * TY, p[i], g[i], a[ACT != ACT_PLAIN ? i : 0], bits[i]);
                 }
                 for (; r < r1; r += TY) {  // the sample's last block may be partial
                     Pack<V> a;
-                    if (ACT != ACT_PLAIN && aux != nullptr)
+                    if (ACT != ACT_PLAIN && !MASK && aux != nullptr)
                         a = load_pack<V>(aux + base + r * row_stride, cp);
+                    const unsigned bits =
+                        MASK ? relu_mask_bits<V>(mask, base + r * row_stride + cp * V) : 0u;
                     add_row(r, load_pack<V>(x + base + r * row_stride, cp),
-                            load_pack<V>(dy + base + r * row_stride, cp), a);
+                            load_pack<V>(dy + base + r * row_stride, cp), a, bits);
                 }
             }
         }

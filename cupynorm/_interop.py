@@ -44,6 +44,7 @@ class TorchBackend:
             torch.bfloat16: "bfloat16",
         }
         self.from_name = {v: k for k, v in self.to_name.items()}
+        self.from_name["uint8"] = torch.uint8  # allocated only (a ReLU mask), never an input
         # torch's private accessor returns the handle without building a Stream object (7.7 us
         # vs well under 1 us per call on the H200 machine's CPU); the public path is the fallback
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)

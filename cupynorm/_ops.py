@@ -214,12 +214,37 @@ def batch_norm_fwd(
     residual: Any = None,
     act: str = "identity",
     batches_tracked: Any = None,
+    keep_relu_mask: bool = False,
 ) -> tuple:
     """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial); with a residual
     and/or an activation ("relu", "silu") y = act(batch_norm(x) + residual), fused into the apply
     pass (residual: x's shape and dtype). In training, ``batches_tracked`` (a module's int64
     batch counter, one element, or None) is incremented by the kernel that updates the running
-    statistics."""
+    statistics. ``keep_relu_mask`` (ReLU with a residual): a fourth output, the ReLU's mask for
+    :func:`batch_norm_act_bwd` where the layout has one (``_strided._apply``), else None."""
+    # fmt: off
+    y, mean, rstd, mask = _batch_norm_forward(x, weight, bias, running_mean, running_var, training,
+                                              momentum, eps, residual, act, batches_tracked,
+                                              keep_relu_mask)
+    # fmt: on
+    return (y, mean, rstd, mask) if keep_relu_mask else (y, mean, rstd)
+
+
+def _batch_norm_forward(
+    x: Any,
+    weight: Any,
+    bias: Any,
+    running_mean: Any,
+    running_var: Any,
+    training: bool,
+    momentum: float,
+    eps: float,
+    residual: Any,
+    act: str,
+    batches_tracked: Any,
+    keep_relu_mask: bool,
+) -> tuple:
+    """:func:`batch_norm_fwd`'s (y, mean, rstd, ReLU mask or None)."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     epilogue = None
@@ -247,7 +272,7 @@ def batch_norm_fwd(
             rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
         if _plan.prod(tuple(x.shape)):
             _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue)
-        return y, mean, rstd
+        return y, mean, rstd, None
     mean, rstd = call.stats((C,), x), call.stats((C,), x)
     count = N * S
     if count * C == 0:
@@ -255,7 +280,7 @@ def batch_norm_fwd(
         call.bk.fill_nan(rstd)
         if batches_tracked is not None:
             call.bk.increment(batches_tracked)
-        return y, mean, rstd
+        return y, mean, rstd, None
     if batches_tracked is not None:
         call.mutates_inputs()  # a kernel below increments it
     if S == 1:
@@ -266,7 +291,7 @@ def batch_norm_fwd(
             momentum, eps, count, C):
         if running:
             call.mutates_inputs()  # the kernel updated the running statistics
-        return y, mean, rstd
+        return y, mean, rstd, None
     # fmt: on
     var = call.stats((C,), x)
     if layout == "contiguous":
@@ -287,8 +312,11 @@ def batch_norm_fwd(
         if running_var is not None:
             unbiased = var * (count / (count - 1)) if count > 1 else var * float("nan")
             call.bk.update_running(running_var, unbiased, momentum)
-    _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue)
-    return y, mean, rstd
+    # fmt: off
+    mask = _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue,
+                  keep_mask=keep_relu_mask and act == "relu")
+    # fmt: on
+    return y, mean, rstd, mask
 
 
 @_programmed
@@ -323,17 +351,21 @@ def batch_norm_act_bwd(
     residual: Any,
     bias: Any,
     act: str,
+    relu_mask: Any = None,
 ) -> tuple:
     """(dx, dweight, dbias, dresidual) of batch_norm_fwd with a residual and/or an activation;
     needs_input_grad in that order.
 
     residual and bias are the forward's: the activation's input t = norm(x) + residual is
     recomputed. dt = dL/dt is the residual's gradient (written by the backward's first pass;
-    with the identity it is dy itself); without a residual it is never stored.
+    with the identity it is dy itself); without a residual it is never stored. ``relu_mask``:
+    the mask batch_norm_fwd kept (ReLU with a residual), read instead of recomputing t; residual
+    may then be None.
     """
     # fmt: off
     dx, dweight, dbias, dt = _batch_norm_backward(dy, x, save_mean, save_rstd, weight, training,
-                                                  needs_input_grad[:3], residual, bias, act)
+                                                  needs_input_grad[:3], residual, bias, act,
+                                                  relu_mask)
     # fmt: on
     return dx, dweight, dbias, dt if needs_input_grad[3] else None
 
@@ -349,9 +381,10 @@ def _batch_norm_backward(
     residual: Any,
     bias: Any,
     act: str,
+    relu_mask: Any = None,
 ) -> tuple:
-    """(dx, dweight, dbias, dt) of batch norm with the epilogue (act, residual); dt is dL/dt
-    (dy itself for the identity, None when nothing stores it)."""
+    """(dx, dweight, dbias, dt) of batch norm with the epilogue (act, residual, or the forward's
+    ReLU mask); dt is dL/dt (dy itself for the identity, None when nothing stores it)."""
     call = _Call(x, weight)
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
@@ -359,10 +392,15 @@ def _batch_norm_backward(
     epilogue, dt = None, dy
     if act != "identity":
         dt = None
-        if residual is not None:
+        if relu_mask is not None:  # the forward's mask stands for the residual (never read)
+            if layout == "contiguous" or act != "relu":
+                raise ValueError("a ReLU mask is kept for channels-innermost data with a ReLU")
+            residual = None
+            dt = call.bk.empty_strided_like(x)
+        elif residual is not None:
             residual = _match_layout(call, residual, x)
             dt = call.bk.empty_strided_like(x)
-        epilogue = Epilogue(act, residual, bias, dt)
+        epilogue = Epilogue(act, residual, bias, dt, relu_mask)
     # fmt: off
     dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
                                    1, training, needs_input_grad, epilogue)

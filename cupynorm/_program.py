@@ -121,7 +121,8 @@ class _Recording:
             if self.allocations[obj - self.n_inputs][0] not in ("empty", "empty_like"):
                 continue  # empty_strided may have gaps or overlaps; zeros are initialized
             t = self.objects[obj]
-            if math.prod(t.shape) * _BYTES[self.bk.dtype_name(t)] >= workspace_bytes:
+            itemsize = _BYTES.get(self.bk.dtype_name(t))  # None: a dtype no input has (a mask)
+            if itemsize and math.prod(t.shape) * itemsize >= workspace_bytes:
                 return obj
         return None
 

@@ -35,12 +35,15 @@ class Epilogue(NamedTuple):
     activation's input t = norm(x) + residual, so it also needs ``bias``; with a residual, ``dt``
     (x's layout) receives dL/dt, the residual's gradient, which the plain dx pass then reads;
     without one (``dt`` None) the sums and the dx pass each turn dy into dL/dt themselves.
+    ``mask``: the ReLU mask the forward kept (:func:`_apply`), which the backward's sums pass reads
+    instead of recomputing t (``residual`` is then not needed).
     """
 
     act: str
     residual: Any = None
     bias: Any = None
     dt: Any = None
+    mask: Any = None
 
     def apply_kernel(self, rows: bool) -> str | None:
         """The fused apply kernel, or None when the plain one computes the same thing."""
@@ -267,15 +270,24 @@ def _apply(
     cpg: int,
     epilogue: Epilogue | None = None,
     shift: Any = None,
-) -> None:
+    keep_mask: bool = False,
+) -> Any:
     """y = (x - mean) * rstd * weight + bias over either layout (groups == 0: per channel),
-    then the epilogue's residual add and activation when one is given."""
+    then the epilogue's residual add and activation when one is given.
+
+    ``keep_mask`` (ReLU with a residual): keep the ReLU's mask for the backward where its layout
+    exists -- channels innermost, on 16-byte packs of 8 elements: one bit per element of x's
+    layout, bit e of byte j for element 8j + e (strided_norm.cu, "Fused epilogue"). Returns the
+    mask (uint8, 1/16 of a 16-bit x) or None."""
     residual = epilogue.residual if epilogue is not None else None
     geo = _elementwise(call, layout, N, C, S, groups, cpg, call.aligned(x, y, residual))
     source, kernel = _STRIDED, "strided_norm_apply_rows" if geo.rows else "strided_norm_apply_cols"
     fused = epilogue.apply_kernel(geo.rows) if epilogue is not None else None
     if fused is not None:
         source, kernel = _FUSED, fused
+    mask = None
+    if keep_mask and fused == "fused_norm_apply_cols_add_relu" and geo.vec == 8:
+        kernel, mask = f"{fused}_mask", call.bk.empty((N * S * C // 8,), "uint8", x)
     args = (
         call.ptr(x),
         _NULL,
@@ -288,7 +300,10 @@ def _apply(
         _NULL,
     )
     tail = geo.tail + (call.ptr(residual), call.ptr(shift))
+    if mask is not None:
+        tail += (call.ptr(mask),)
     call.launch(source, kernel, geo.grid, geo.block, args + tail)
+    return mask
 
 
 def _backward(
@@ -396,10 +411,12 @@ def _bwd_sums(
     # the rows entries take the residual's presence at compile time (fused_norm.cu)
     add = "add_" if geo.rows and epilogue.residual is not None else ""
     kernel = f"fused_norm_bwd_sums_{layout_name}_{add}{epilogue.act}"
-    call.launch(_FUSED, kernel, geo.grid, geo.block,
-                args + (call.ptr(epilogue.residual), call.ptr(epilogue.dt), call.ptr(weight),
-                        call.ptr(epilogue.bias), call.ptr(rstd), call.ptr(shift)), smem=smem)
+    last = (call.ptr(epilogue.residual), call.ptr(epilogue.dt), call.ptr(weight),
+            call.ptr(epilogue.bias), call.ptr(rstd), call.ptr(shift))
     # fmt: on
+    if epilogue.mask is not None:  # the forward's ReLU mask instead of the residual
+        kernel, last = f"{kernel}_mask", (_NULL, *last[1:], call.ptr(epilogue.mask))
+    call.launch(_FUSED, kernel, geo.grid, geo.block, args + last, smem=smem)
     return partials
 
 

@@ -8,9 +8,10 @@ events around the replay, median of 7; torch's side is F.batch_norm, the add and
 resnet50 runs them. Prints us per call per layer form and ms per training step over the model.
 
 ``--no-single`` turns the single-launch family off (the split passes only), to set beside the
-default choice.
+default choice; ``--no-mask`` makes the + residual add + ReLU layers' backward read the residual
+instead of the ReLU mask their forward keeps (as ``BatchNormAct2d`` runs them by default).
 
-Usage: python scripts/profile_resnet50_norms.py [--batch N] [--no-single]
+Usage: python scripts/profile_resnet50_norms.py [--batch N] [--no-single] [--no-mask]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ LAYERS = [
 ]  # fmt: skip
 
 
-def measure(batch: int, c: int, s: int, form: str) -> tuple[float, float]:
+def measure(batch: int, c: int, s: int, form: str, mask: bool = True) -> tuple[float, float]:
     """(cupynorm, torch) us per forward + backward."""
     x = torch.randn(batch, c, s, s, device="cuda", dtype=torch.bfloat16)
     x = x.to(memory_format=torch.channels_last)
@@ -49,13 +50,17 @@ def measure(batch: int, c: int, s: int, form: str) -> tuple[float, float]:
     rm, rv = torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")
     act = "identity" if form == "bn" else "relu"
 
+    keep = mask and form == "add_relu"
+
     def ours():
-        _, m, r = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, act)
+        _, m, r, *kept = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, act, None, keep)
         if form == "bn":
             _ops.batch_norm_bwd(dy, x, m, r, w, True, (True, True, True))
         else:
-            mask = (True, True, True, z is not None)
-            _ops.batch_norm_act_bwd(dy, x, m, r, w, True, mask, z, b, act)
+            needs = (True, True, True, z is not None)
+            relu_mask = kept[0] if kept else None
+            residual = None if relu_mask is not None else z
+            _ops.batch_norm_act_bwd(dy, x, m, r, w, True, needs, residual, b, act, relu_mask)
 
     xt = x.detach().requires_grad_()
     zt = None if z is None else z.detach().requires_grad_()
@@ -77,16 +82,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--no-single", action="store_true", help="split passes only")
+    parser.add_argument("--no-mask", action="store_true", help="add_relu reads the residual")
     args = parser.parse_args()
     if args.no_single:
         _single.enable(False)
     which = "split passes only" if args.no_single else "default"
     print(f"resnet50 norm layers as fuse runs them, batch {args.batch}, bf16 channels_last;")
-    print(f"single launch: {which}")
+    print(f"single launch: {which}; add_relu backward reads the "
+          f"{'residual' if args.no_mask else 'ReLU mask'}")  # fmt: skip
     print("us per forward+backward (graphed): cupynorm / torch")
     ours_total = theirs_total = 0.0
     for c, s, layers, form in LAYERS:
-        ours, theirs = measure(args.batch, c, s, form)
+        ours, theirs = measure(args.batch, c, s, form, not args.no_mask)
         ours_total += ours * layers
         theirs_total += theirs * layers
         mb = args.batch * c * s * s * 2 / 1e6

@@ -122,10 +122,18 @@ def main() -> None:
             for _ in range(3)
         )
         w, b = torch.rand(2048, device="cuda") + 0.5, torch.randn(2048, device="cuda")
-        y, m, r = _ops.batch_norm_fwd(x, w, b, None, None, True, 0.1, 1e-5, z, "relu")
+        y, m, r, mask = _ops.batch_norm_fwd(x, w, b, None, None, True, 0.1, 1e-5, z, "relu", None,
+                                            True)  # fmt: skip
         ref = F.relu(F.batch_norm(x.float(), None, None, w, b, True) + z.float())
         close(y, ref, tol * 3)
         _ops.batch_norm_act_bwd(dy, x, m, r, w, True, (True, True, True, True), z, b, "relu")
+        # the ReLU mask in the residual's place (16-bit types: packs of 8), dy aligned and not
+        if mask is not None:
+            needs = (True, True, True, True)
+            _ops.batch_norm_act_bwd(dy, x, m, r, w, True, needs, None, b, "relu", mask)
+            off = torch.empty(dy.numel() + 1, device="cuda", dtype=dtype)[1:]
+            off = off.as_strided(dy.shape, dy.stride()).copy_(dy)
+            _ops.batch_norm_act_bwd(off, x, m, r, w, True, needs, None, b, "relu", mask)
         # SyncBatchNorm's steps around its collectives, for 3 "ranks" in one process (the sum of
         # their rows is the all_reduce): rank 1 empty; merged statistics against the whole batch
         parts = [torch.randn(n, 5, 3, 4, device="cuda", dtype=dtype) for n in (2, 0, 3)]

@@ -117,6 +117,82 @@ def test_batch_norm_act_equals_unfused_cupynorm_in_float32():
     torch.testing.assert_close(fused.running_var, plain.running_var)
 
 
+def _dense_like(x, misaligned):
+    """A random tensor with x's shape and strides, its data 16-byte aligned or 2 bytes off."""
+    offset = 1 if misaligned else 0
+    flat = torch.empty(x.numel() + offset, device="cuda", dtype=x.dtype)[offset:]
+    t = flat.as_strided(x.shape, x.stride())
+    t.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype))
+    return t
+
+
+def _in_memory_order(t):
+    """t's elements in the order a channels-innermost tensor holds them."""
+    return t.permute(0, *range(2, t.dim()), 1).flatten() if t.dim() > 2 else t.flatten()
+
+
+@pytest.mark.parametrize("misaligned_dy", [False, True], ids=["dy-aligned", "dy-misaligned"])
+@pytest.mark.parametrize(
+    "shape, dtype",
+    [
+        ((8, 64, 14, 14), "bfloat16"),
+        ((3, 24, 7, 9), "float16"),  # 189 rows: a partial block of rows
+        ((37, 16), "bfloat16"),  # (N, C)
+        ((2, 16, 3, 5, 7), "float16"),  # channels_last_3d
+    ],
+)
+def test_relu_mask_backward_is_bitwise_the_recomputed_one(shape, dtype, misaligned_dy):
+    """ReLU with a residual on 16-byte packs: the forward keeps the ReLU's mask (t > 0, a bit per
+    element in x's layout) and the backward's sums pass reads it instead of the residual. The
+    gradients are bit for bit those of the pass that recomputes t from the residual; a misaligned
+    dy makes the backward read the mask bit by bit (its scalar path)."""
+    from cupynorm import _ops
+
+    torch.manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=DTYPES[dtype]) + 0.3
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    x = x.to(memory_format=fmt) if fmt is not None else x
+    z = torch.randn_like(x)
+    C = shape[1]
+    w, b = torch.rand(C, device="cuda") + 0.5, torch.randn(C, device="cuda")
+
+    def forward(keep):
+        rm, rv = torch.zeros(C, device="cuda"), torch.ones(C, device="cuda")
+        return _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu", None, keep)
+
+    y, mean, rstd, mask = forward(True)
+    y2, mean2, rstd2 = forward(False)
+    assert torch.equal(y, y2) and torch.equal(mean, mean2) and torch.equal(rstd, rstd2)
+    assert mask.dtype == torch.uint8 and mask.numel() * 8 == x.numel()
+    # bit e of byte j: element 8j + e in x's memory order, set where t > 0 (so where y > 0)
+    bits = (mask[:, None].int() >> torch.arange(8, device="cuda", dtype=torch.int32)) & 1
+    assert torch.equal(bits.flatten().bool(), _in_memory_order(y) > 0)
+    dy = _dense_like(x, misaligned_dy)
+    needs = (True, True, True, True)
+    from_mask = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, None, b, "relu", mask)
+    recomputed = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, z, b, "relu")
+    for ours, theirs in zip(from_mask, recomputed, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_batch_norm_act_saves_the_relu_mask_not_the_residual():
+    """The eager BatchNormAct2d with a residual in bf16 on channels_last keeps the ReLU's mask
+    for its backward (1/16 of the residual's bytes), not the residual; the residual's gradient
+    is dy where the output is positive, 0 elsewhere, exactly."""
+    torch.manual_seed(0)
+    m = cnt.BatchNormAct2d(64).cuda().to(torch.bfloat16)
+    x = _make((8, 64, 14, 14), "bfloat16", "channels_last").requires_grad_()
+    z = _make((8, 64, 14, 14), "bfloat16", "channels_last").requires_grad_()
+    y = m(x, z)
+    saved = y.grad_fn.saved_tensors
+    assert saved[4] is None and saved[6].dtype == torch.uint8  # residual, mask
+    assert saved[6].numel() == x.numel() // 8
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert torch.equal(z.grad, torch.where(y > 0, dy, torch.zeros_like(dy)))
+    assert x.grad.isfinite().all() and m.weight.grad.isfinite().all()
+
+
 def test_batch_norm_act_cuda_graph_and_compile():
     torch.manual_seed(0)
     m = cnt.BatchNormAct2d(16, activation="silu").cuda()

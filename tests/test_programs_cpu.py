@@ -394,6 +394,46 @@ def test_fused_batch_norm_launches_the_fused_passes(launches, with_residual) -> 
     assert (grads[3] is dy) == with_residual
 
 
+@pytest.mark.parametrize(
+    "dtype, shape, kept",
+    [
+        (torch.bfloat16, (4, 16, 5, 7), True),
+        (torch.float32, (4, 16, 5, 7), False),  # packs of 4: no mask layout
+        (torch.bfloat16, (4, 12, 5, 7), False),  # 12 channels: not packs of 8
+    ],
+    ids=["bf16", "fp32", "unaligned-channels"],
+)
+def test_relu_with_a_residual_keeps_a_mask_for_the_backward(launches, dtype, shape, kept) -> None:
+    """act(bn(x) + z) with ReLU on 16-byte packs of 8: the apply pass also writes the ReLU's mask
+    (a bit per element), and the backward's sums pass reads it in the residual's place (z null);
+    elsewhere no mask, and the backward reads the residual."""
+    x, w, b, rm, rv = _bn_cl(shape)
+    x = x.to(dtype)
+    z = torch.rand(x.shape, dtype=dtype).to(memory_format=torch.channels_last)
+    y, mean, rstd, mask = _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu", None,
+                                              True)  # fmt: skip
+    apply = launches[-1]
+    if not kept:
+        assert mask is None and apply[0] == "fused_norm_apply_cols_add_relu"
+        return
+    assert apply[0] == "fused_norm_apply_cols_add_relu_mask" and apply[-1][-1] == mask.data_ptr()
+    assert mask.dtype == torch.uint8 and mask.numel() * 8 == x.numel()
+    launches.clear()
+    dy = torch.rand(x.shape, dtype=dtype).to(memory_format=torch.channels_last)
+    needs = (True, True, True, True)
+    dx, _dw, _db, dz = _ops.batch_norm_act_bwd(dy, x, mean, rstd, w, True, needs, None, b, "relu",
+                                               mask)  # fmt: skip
+    kernels = [k for k, *_ in launches]
+    assert kernels == [
+        "fused_norm_bwd_sums_cols_relu_mask",
+        "strided_norm_bwd_finalize",
+        "strided_norm_bwd_dx_cols",  # the plain dx pass on dt, the residual's gradient
+    ]
+    sums = launches[0][-1]
+    assert sums[-1] == mask.data_ptr() and sums[-7:-5] == [0, dz.data_ptr()]  # z null, dt
+    assert launches[2][-1][1] == dz.data_ptr() and launches[2][-1][2] == dx.data_ptr()
+
+
 @pytest.mark.parametrize("empty", [False, True], ids=["rows", "empty-rank"])
 def test_sync_batch_norm_steps_are_one_launch_each_around_the_collectives(launches, empty) -> None:
     """SyncBatchNorm's CUDA calls: the rank's row after the statistics passes (an empty rank:

@@ -80,9 +80,10 @@ def _batch_norm_setup(ctx, inputs, output) -> tuple:
     return saved
 
 
-def _batch_norm_act_setup(ctx, inputs, output) -> tuple:
+def _batch_norm_act_setup(ctx, inputs, output, relu_mask=None) -> tuple:
     # inputs: batch norm's, then residual and act; the activation's gradient recomputes its
-    # input from x, the statistics, weight, bias and the residual (no output is kept)
+    # input from x, the statistics, weight, bias and the residual (no output is kept), or reads
+    # the ReLU mask the forward kept instead of the residual
     x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
     needs_t = act != "identity"
     saved = (
@@ -90,8 +91,9 @@ def _batch_norm_act_setup(ctx, inputs, output) -> tuple:
         weight,
         output[1],
         output[2],
-        residual if needs_t else None,
+        residual if needs_t and relu_mask is None else None,
         bias if needs_t else None,
+        relu_mask,
     )
     ctx.save_for_backward(*saved)
     ctx.training, ctx.act = training, act
@@ -225,7 +227,7 @@ def _make_batch_norm_act_backward(bwd):
     def backward(ctx, dy, *_stat_grads):
         if dy is None:
             return (None,) * 10
-        x, weight, save_mean, save_rstd, residual, bias = ctx.saved_tensors
+        x, weight, save_mean, save_rstd, residual, bias, _relu_mask = ctx.saved_tensors
         needs = ctx.needs_input_grad
         mask = [needs[0], needs[1], needs[2], needs[8]]
         # fmt: off
@@ -262,17 +264,17 @@ def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
     kept, ctx.bound = ctx.bound, None
     if dy is None:
         return (None,) * 11
-    x, weight, save_mean, save_rstd, residual, bias = ctx.saved_tensors
+    x, weight, save_mean, save_rstd, residual, bias, relu_mask = ctx.saved_tensors
     forward = None
     if kept is not None and kept[1] is x and kept[2] is weight and kept[3] is save_mean:
         same = kept[4] is save_rstd and kept[5] is residual and kept[6] is bias
-        forward = kept[0] if same else None
+        forward = kept[0] if same and kept[7] is relu_mask else None
     needs = ctx.needs_input_grad
     mask = [needs[0], needs[1], needs[2], needs[8]]
     # fmt: off
     dx, dweight, dbias, dres = _batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight,
                                                    ctx.training, mask, residual, bias, ctx.act,
-                                                   forward)
+                                                   forward, relu_mask)
     # fmt: on
     return dx, dweight, dbias, None, None, None, None, None, dres, None, None
 
@@ -387,8 +389,13 @@ class _BatchNormActFunction(_EagerFunction):
             residual,
             act,
         )
-        output, program = _batch_norm_fwd_program(*inputs, batches_tracked)
-        _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output))
+        # ReLU with a residual: the forward keeps the ReLU's mask where it can, which the backward
+        # reads instead of the residual (one read of the tensor fewer)
+        keep = act == "relu" and residual is not None
+        output, program = _batch_norm_fwd_program(*inputs, batches_tracked, keep_mask=keep)
+        relu_mask = output[3] if keep else None
+        output = output[:3]
+        _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output, relu_mask))
         return output
 
     backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))

@@ -289,15 +289,15 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
 def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                         residual, act, batches_tracked):  # fmt: skip
+                         residual, act, batches_tracked, keep_mask=False):  # fmt: skip
     """``op`` (the host's batch_norm_fwd or its with_program) on x made dense, with the running
-    statistics written back; (op's result, x's memory format)."""
+    statistics written back; (op's result, x's memory format). ``keep_mask``: op's ReLU mask as
+    a fourth output (or None)."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
-    # fmt: off
-    result = op(x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act,
-                batches_tracked)
-    # fmt: on
+    args = (x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act,
+            batches_tracked)  # fmt: skip
+    result = op(*args, True) if keep_mask else op(*args)
     if training:
         _write_back(running_mean, mean)
         _write_back(running_var, var)
@@ -316,16 +316,18 @@ def _batch_norm_fwd_cuda_program(
     residual=None,
     act="identity",
     batches_tracked=None,
+    keep_mask=False,
 ):
     """(y, save_mean, save_rstd) of batch norm (with ``residual`` / ``act`` the fused op
     y = act(norm(x) + residual)), and the recorded program that made them or None;
-    ``batches_tracked``: a module's batch counter, incremented in training."""
+    ``batches_tracked``: a module's batch counter, incremented in training. ``keep_mask``: the
+    ReLU mask (or None) after save_rstd, for the fused backward."""
     # fmt: off
-    ((y, save_mean, save_rstd), program), fmt = _batch_norm_fwd_host(
+    (outputs, program), fmt = _batch_norm_fwd_host(
         _host().batch_norm_fwd.with_program, x, weight, bias, running_mean, running_var, training,
-        momentum, eps, residual, act, batches_tracked)
+        momentum, eps, residual, act, batches_tracked, keep_mask)
     # fmt: on
-    return (y.contiguous(memory_format=fmt), save_mean, save_rstd), program
+    return (outputs[0].contiguous(memory_format=fmt), *outputs[1:]), program
 
 
 def _batch_norm_fwd_cuda(
@@ -375,23 +377,29 @@ def _batch_norm_fwd(x, weight, bias, running_mean, running_var, training, moment
 
 
 def _batch_norm_fwd_program(x, weight, bias, running_mean, running_var, training, momentum, eps,
-                            *epi):  # fmt: skip
-    """:func:`_batch_norm_fwd` and the recorded program that made its outputs, or None."""
+                            *epi, keep_mask=False):  # fmt: skip
+    """:func:`_batch_norm_fwd` and the recorded program that made its outputs, or None;
+    ``keep_mask``: the ReLU mask (None where none is kept: on the CPU) after the statistics."""
     args = (x, weight, bias, running_mean, running_var, training, momentum, eps, *epi)
     if x.is_cuda:
-        return _batch_norm_fwd_cuda_program(*args)
-    return _batch_norm_fwd_reference(*args), None
+        return _batch_norm_fwd_cuda_program(*args, keep_mask=keep_mask)
+    outputs = _batch_norm_fwd_reference(*args)
+    return ((*outputs, None) if keep_mask else outputs), None
 
 
 def _batch_norm_act_bwd_cuda(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
-):
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None,
+    relu_mask=None,
+):  # fmt: skip
     """(dx, dweight, dbias, dresidual) of the fused op; output_mask in that order; ``forward``
-    as for :func:`_batch_norm_bwd_cuda`."""
+    as for :func:`_batch_norm_bwd_cuda`; ``relu_mask``: the forward's, read instead of the
+    residual (which may then be None)."""
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
     args = (dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act)
+    if relu_mask is not None:
+        args += (relu_mask,)
     op = _host().batch_norm_act_bwd
     grads = op(*args) if forward is None else _program.call_bound(forward, op, args)
     dx, dweight, dbias, dres = grads
@@ -400,12 +408,13 @@ def _batch_norm_act_bwd_cuda(
 
 
 def _batch_norm_act_bwd(
-    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None
-):
+    dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None,
+    relu_mask=None,
+):  # fmt: skip
     args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
     if x.is_cuda:
-        return _batch_norm_act_bwd_cuda(*args, forward)
-    return _batch_norm_act_bwd_reference(*args)
+        return _batch_norm_act_bwd_cuda(*args, forward, relu_mask)
+    return _batch_norm_act_bwd_reference(*args)  # no mask is kept on the CPU
 
 
 def _batch_norm_act_bwd_op_kernel(bwd):
