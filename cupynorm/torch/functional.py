@@ -518,9 +518,11 @@ def batch_norm_act(
 
     The arguments before ``residual`` are :func:`batch_norm`'s. The add and the activation run
     in the normalize pass (float32, one rounding), and the backward turns the incoming gradient
-    into the activation's input gradient in its first pass (ReLU from the saved output, SiLU
-    recomputed), which is also the residual's gradient: the forward reads ``input`` and
-    ``residual`` once and writes one tensor, where the unfused sequence makes three passes.
+    into the activation's input gradient in its first pass (the activation's input recomputed
+    from ``input`` and ``residual``; for ReLU with a residual on channels_last float16/bfloat16
+    data, from a mask the forward keeps instead, a bit per element), which is also the
+    residual's gradient: the forward reads ``input`` and ``residual`` once and writes one
+    tensor, where the unfused sequence makes three passes.
 
     Args:
         residual: tensor of the input's shape, dtype and device added before the activation
