@@ -222,29 +222,6 @@ def batch_norm_fwd(
     batch counter, one element, or None) is incremented by the kernel that updates the running
     statistics. ``keep_relu_mask`` (ReLU with a residual): a fourth output, the ReLU's mask for
     :func:`batch_norm_act_bwd` where the layout has one (``_strided._apply``), else None."""
-    # fmt: off
-    y, mean, rstd, mask = _batch_norm_forward(x, weight, bias, running_mean, running_var, training,
-                                              momentum, eps, residual, act, batches_tracked,
-                                              keep_relu_mask)
-    # fmt: on
-    return (y, mean, rstd, mask) if keep_relu_mask else (y, mean, rstd)
-
-
-def _batch_norm_forward(
-    x: Any,
-    weight: Any,
-    bias: Any,
-    running_mean: Any,
-    running_var: Any,
-    training: bool,
-    momentum: float,
-    eps: float,
-    residual: Any,
-    act: str,
-    batches_tracked: Any,
-    keep_relu_mask: bool,
-) -> tuple:
-    """:func:`batch_norm_fwd`'s (y, mean, rstd, ReLU mask or None)."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     epilogue = None
@@ -255,6 +232,10 @@ def _batch_norm_forward(
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     y = call.bk.empty_strided_like(x)
+
+    def outputs(mean: Any, rstd: Any, mask: Any = None) -> tuple:
+        return (y, mean, rstd, mask) if keep_relu_mask else (y, mean, rstd)
+
     # running statistics the kernels update (or read) in place: those of the weight's type
     running = tuple(t for t in (running_mean, running_var) if t is not None)
     in_kernel = all(call.bk.dtype_name(t) == (call.param_dtype or call.dtype) for t in running)
@@ -272,7 +253,7 @@ def _batch_norm_forward(
             rstd = call.bk.rsqrt_plus(running_var, eps, call.acc)
         if _plan.prod(tuple(x.shape)):
             _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue)
-        return y, mean, rstd, None
+        return outputs(mean, rstd)
     mean, rstd = call.stats((C,), x), call.stats((C,), x)
     count = N * S
     if count * C == 0:
@@ -280,7 +261,7 @@ def _batch_norm_forward(
         call.bk.fill_nan(rstd)
         if batches_tracked is not None:
             call.bk.increment(batches_tracked)
-        return y, mean, rstd, None
+        return outputs(mean, rstd)
     if batches_tracked is not None:
         call.mutates_inputs()  # a kernel below increments it
     if S == 1:
@@ -291,7 +272,7 @@ def _batch_norm_forward(
             momentum, eps, count, C):
         if running:
             call.mutates_inputs()  # the kernel updated the running statistics
-        return y, mean, rstd, None
+        return outputs(mean, rstd)
     # fmt: on
     var = call.stats((C,), x)
     if layout == "contiguous":
@@ -316,7 +297,7 @@ def _batch_norm_forward(
     mask = _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue,
                   keep_mask=keep_relu_mask and act == "relu")
     # fmt: on
-    return y, mean, rstd, mask
+    return outputs(mean, rstd, mask)
 
 
 @_programmed
