@@ -295,7 +295,7 @@ def batch_norm_fwd(
             call.bk.update_running(running_var, unbiased, momentum)
     # fmt: off
     mask = _apply(call, x, y, weight, bias, mean, rstd, layout, N, C, S, 0, 1, epilogue,
-                  keep_mask=keep_relu_mask and act == "relu")
+                  keep_mask=keep_relu_mask)
     # fmt: on
     return outputs(mean, rstd, mask)
 

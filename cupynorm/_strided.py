@@ -286,8 +286,15 @@ def _apply(
     if fused is not None:
         source, kernel = _FUSED, fused
     mask = None
-    if keep_mask and fused == "fused_norm_apply_cols_add_relu" and geo.vec == 8:
-        kernel, mask = f"{fused}_mask", call.bk.empty((N * S * C // 8,), "uint8", x)
+    # the mask's layout: channels-innermost packs of 8 (16-bit x, vectorized)
+    if (
+        keep_mask
+        and residual is not None
+        and epilogue.act == "relu"
+        and geo.vec == 8
+        and not geo.rows
+    ):
+        kernel, mask = f"{kernel}_mask", call.bk.empty((N * S * C // 8,), "uint8", x)
     args = (
         call.ptr(x),
         _NULL,
