@@ -233,6 +233,7 @@ class _Program:
         "outputs",
         "mutating",
         "bound",
+        "validated",
         "_offsets",
         "_constants",
         "_go",
@@ -244,6 +245,9 @@ class _Program:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
         self.mutating = mutating
         self.bound: dict[Any, list[_Bound]] = {}  # calls bound to this one: call_bound
+        # the call passed its caller's argument checks with arguments the op took as given:
+        # the caller may replay it without them (cupynorm.torch._replay)
+        self.validated = False
         n_objects = n_inputs + len(allocations)
         offsets: dict[tuple[int, int], int] = {}  # (object, byte offset) -> place after objects
         for *_, slots in steps:

@@ -793,9 +793,108 @@ def test_saved_tensor_hooks_unbind_the_backward(eager) -> None:
     x = _cl(*shape).requires_grad_()
     y = module(x)
     assert y.grad_fn.bound is not None
-    for saved in y.grad_fn._raw_saved_tensors:
+    for saved in y.grad_fn._raw_saved_tensors[:4]:  # x, weight, mean, rstd (the rest: None)
         saved.register_hooks(lambda t: t.clone(), lambda t: t)
     keys.clear()
     log.clear()
     y.backward(_cl(*shape))
     assert keys == ["batch_norm_bwd"]
+
+
+# ---- replayed eager calls (cupynorm.torch._replay) -------------------------------------------
+def _node(y) -> str:
+    return type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize(
+    "act, residual",
+    [("identity", False), ("relu", False), ("relu", True), ("silu", False), ("identity", True)],
+)
+def test_a_checked_call_is_replayed_with_the_full_paths_launches(eager, act, residual) -> None:
+    """The first call of a module takes the full path (checks, Function, dense layouts); later
+    calls with the same key replay its program through a Function of their own: one call key
+    (the forward's), and the same launches in both directions as the full path."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNormAct2d(16, activation=act) if act != "identity" or residual else None
+    module = module or cnt.BatchNorm2d(16)
+    shape = (4, 16, 5, 7)
+    z = (_cl(*shape).requires_grad_(),) if residual else ()
+    y = _step(module, _cl(*shape), _cl(*shape), *z)
+    assert _node(y).startswith(("_BatchNormFunction", "_BatchNormActFunction"))
+    _step(module, _cl(*shape), _cl(*shape), *z)  # the backward binds
+    keys.clear()
+    log.clear()
+    x, dy = _cl(*shape), _cl(*shape)
+    y = _step(module, x, dy, *z)
+    assert _node(y) == "_BatchNormReplayFunctionBackward"
+    assert keys == ["batch_norm_fwd"]
+    assert y.grad_fn.bound is None  # dropped by the backward
+    replayed = log[:]
+    _program._PROGRAMS.clear()  # the validations go with the programs
+    log.clear()
+    y = _step(module, x, dy, *z)
+    assert _node(y) != "_BatchNormReplayFunctionBackward"
+    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
+
+
+def test_replay_without_grad_runs_the_program_alone(eager) -> None:
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = cnt.BatchNorm2d(16)
+    x = _cl(4, 16, 5, 7)
+    with torch.no_grad():
+        module(x)  # validates the no-grad call (no autograd node: a key of its own)
+        keys.clear()
+        log.clear()
+        y = module(x)
+    assert y.grad_fn is None and keys == ["batch_norm_fwd"]
+    replayed = log[:]
+    _program._PROGRAMS.clear()
+    log.clear()
+    with torch.no_grad():
+        module(x)
+    assert [entry[:4] for entry in replayed] == [entry[:4] for entry in log]
+
+
+def test_only_calls_that_passed_the_checks_as_given_are_replayed(eager) -> None:
+    """A program recorded by the host op directly (no torch checks) is not replayed, and
+    neither is a call whose input the full path copies into a dense layout."""
+    import cupynorm.torch as cnt
+
+    module = cnt.BatchNorm2d(16)
+    x = _cl(4, 16, 5, 7).requires_grad_()
+    vectors = (module.weight.detach(), module.bias.detach(), module.running_mean)
+    stats = (module.running_var, True, 0.1, 1e-5, None, "identity", module.num_batches_tracked)
+    args = (x.detach(), *vectors, *stats)
+    _ops.batch_norm_fwd(*args)
+    key = _program._call_key("batch_norm_fwd", args, {})[1]
+    assert isinstance(_program._PROGRAMS.get(key), _program._Program)
+    assert _node(module(x)).startswith("_BatchNormFunction")
+    assert _node(module(x)) == "_BatchNormReplayFunctionBackward"  # checked by the call before
+    strided = torch.rand(4, 16, 5, 14)[..., ::2].requires_grad_()  # not dense: copied
+    for _ in range(3):
+        assert _node(module(strided)).startswith("_BatchNormFunction")
+
+
+def test_replayed_backward_raises_torchs_error_for_an_input_modified_in_place(eager) -> None:
+    """The replay saves its tensors with save_for_backward: an input changed in place after
+    the forward fails the backward as torch's own BatchNorm2d does."""
+    import cupynorm.torch as cnt
+
+    module = cnt.BatchNorm2d(16)
+    for _ in range(2):
+        _step(module, _cl(4, 16, 5, 7), _cl(4, 16, 5, 7))
+    errors = []
+    for layer in (torch.nn.BatchNorm2d(16), module):
+        x = _cl(4, 16, 5, 7).requires_grad_()
+        h = x * 1
+        y = layer(h)
+        h.add_(1)
+        with pytest.raises(RuntimeError) as error:
+            y.backward(_cl(4, 16, 5, 7))
+        errors.append(str(error.value).split(";")[0].split(":")[0])
+    assert _node(y) == "_BatchNormReplayFunctionBackward"
+    assert errors[0] == errors[1], errors

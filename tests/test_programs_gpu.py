@@ -78,3 +78,89 @@ def test_replayed_batch_norm_training_step_allocates_outputs_and_one_workspace(
     torch.testing.assert_close(dx.float(), ref_x.grad, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(dw, ref_w.grad, atol=1e-2, rtol=1e-3)
     torch.testing.assert_close(db, ref_b.grad, atol=1e-2, rtol=1e-3)
+
+
+# ---- replayed eager calls (cupynorm.torch._replay) -------------------------------------------
+def _module_step(module, x, dy, residual=None):
+    """(node name, y, grads, buffers) of one forward + backward of ``module``."""
+    x = x.detach().requires_grad_()
+    inputs = (x,) if residual is None else (x, residual.detach().requires_grad_())
+    y = module(*inputs)
+    y.backward(dy)
+    grads = [t.grad for t in inputs] + [p.grad for p in module.parameters()]
+    return type(y.grad_fn).__name__, y, grads, [b.clone() for b in module.buffers()]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", ["bn", "relu", "add_relu", "silu", "add"])
+def test_replayed_module_step_is_the_full_paths_bit_for_bit(form, dtype, layout, training):
+    """A module's second call with a key replays the first call's program through a Function of
+    its own (cupynorm.torch._replay): output, every gradient, the running statistics and the
+    batch counter equal the full path's bit for bit (fp32 parameters beside half inputs, as
+    under autocast; odd sizes; 24 channels: packs of 8 for the ReLU mask)."""
+    import copy
+
+    import cupynorm.torch as cnt
+    from cupynorm import _program
+
+    torch.manual_seed(0)
+    if form == "bn":
+        module = cnt.BatchNorm2d(24)
+    else:
+        module = cnt.BatchNormAct2d(24, activation="identity" if form == "add" else form[-4:])
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+        module.bias.uniform_(-0.5, 0.5)
+        module.running_mean.uniform_(-0.5, 0.5)
+    module = module.cuda().train(training)
+    fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
+    x, dy, z = (
+        torch.randn(6, 24, 7, 9, device="cuda", dtype=dtype).to(memory_format=fmt) for _ in range(3)
+    )
+    residual = z if form.startswith("add") else None
+    full, replayed = module, copy.deepcopy(module)
+    _program._PROGRAMS.clear()  # the first call below takes the full path
+    first = _module_step(full, x, dy, residual)
+    second = _module_step(replayed, x, dy, residual)
+    assert first[0] != "_BatchNormReplayFunctionBackward"
+    assert second[0] == "_BatchNormReplayFunctionBackward"
+    assert torch.equal(first[1], second[1])
+    assert first[1].stride() == second[1].stride()
+    for a, b in zip(first[2] + first[3], second[2] + second[3], strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.stride() == b.stride()
+            assert torch.equal(a, b)
+    # the no-grad call: a key of its own, replayed the same way
+    inputs = (x,) if residual is None else (x, residual)
+    nograd = [copy.deepcopy(replayed) for _ in range(2)]
+    _program._PROGRAMS.clear()
+    with torch.no_grad():
+        outputs = [m(*inputs) for m in nograd]  # the full path, then the replay
+    assert torch.equal(outputs[0], outputs[1])
+    for a, b in zip(nograd[0].buffers(), nograd[1].buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_replay_leaves_a_tensor_on_another_device_to_the_full_paths_error():
+    """The devices are not in the call key: a buffer moved to the CPU after the call was
+    replayed gets the full path's error, the same as on a first call."""
+    import cupynorm.torch as cnt
+    from cupynorm import _program
+
+    module = cnt.BatchNorm2d(8).cuda()
+    x = torch.randn(2, 8, 5, 5, device="cuda", requires_grad=True)
+    for _ in range(2):
+        module(x).sum().backward()
+    assert type(module(x).grad_fn).__name__ == "_BatchNormReplayFunctionBackward"
+    module.running_var = module.running_var.cpu()  # same dtype, shape, stride, alignment
+    errors = []
+    for clear in (False, True):
+        if clear:
+            _program._PROGRAMS.clear()
+        with pytest.raises(Exception) as error:
+            module(x)
+        errors.append((type(error.value), str(error.value)))
+    assert errors[0] == errors[1]

@@ -81,24 +81,26 @@ def _batch_norm_setup(ctx, inputs, output) -> tuple:
 
 
 def _batch_norm_act_setup(ctx, inputs, output, relu_mask=None) -> tuple:
-    # inputs: batch norm's, then residual and act; the activation's gradient recomputes its
-    # input from x, the statistics, weight, bias and the residual (no output is kept), or reads
-    # the ReLU mask the forward kept instead of the residual
+    # inputs: batch norm's, then residual and act
     x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
-    needs_t = act != "identity"
-    saved = (
-        x,
-        weight,
-        output[1],
-        output[2],
-        residual if needs_t and relu_mask is None else None,
-        bias if needs_t else None,
-        relu_mask,
-    )
-    ctx.save_for_backward(*saved)
-    ctx.training, ctx.act = training, act
+    # fmt: off
+    saved = _save_batch_norm_act(ctx, x, weight, bias, residual, output[1], output[2], relu_mask,
+                                 training, act)
+    # fmt: on
     ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
     ctx.set_materialize_grads(False)
+    return saved
+
+
+def _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask, training, act):
+    """Save what the fused backward reads; return the saved tensors. The activation's gradient
+    recomputes its input from x, the statistics, weight, bias and the residual (no output is
+    kept), or reads the ReLU mask the forward kept instead of the residual."""
+    needs_t = act != "identity"
+    z = residual if needs_t and relu_mask is None else None
+    saved = (x, weight, mean, rstd, z, bias if needs_t else None, relu_mask)
+    ctx.save_for_backward(*saved)
+    ctx.training, ctx.act = training, act
     return saved
 
 
@@ -112,11 +114,15 @@ def _batch_norm_act_setup(ctx, inputs, output, relu_mask=None) -> tuple:
 _default_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+def _hooks_active() -> bool:
+    """Whether saved-tensor hooks are active (or torch cannot say)."""
+    return _default_hooks is None or _default_hooks(False) is not None
+
+
 def _keep_forward(ctx, program, saved: tuple) -> None:
     """Keep the forward's recorded program and saved tensors for the backward, if any (the
     eager backwards: :func:`_batch_norm_backward_eager`)."""
-    hooks = _default_hooks is None or _default_hooks(False) is not None
-    ctx.bound = None if program is None or hooks else (program, *saved)
+    ctx.bound = None if program is None or _hooks_active() else (program, *saved)
 
 
 def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
@@ -261,22 +267,35 @@ def _batch_norm_backward_eager(ctx, dy, *_stat_grads):
 def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
     """:func:`_make_batch_norm_act_backward`'s backward on the kernel, bound as in
     :func:`_batch_norm_backward_eager`."""
-    kept, ctx.bound = ctx.bound, None
     if dy is None:
+        ctx.bound = None
         return (None,) * 11
-    x, weight, save_mean, save_rstd, residual, bias, relu_mask = ctx.saved_tensors
-    forward = None
-    if kept is not None and kept[1] is x and kept[2] is weight and kept[3] is save_mean:
-        same = kept[4] is save_rstd and kept[5] is residual and kept[6] is bias
-        forward = kept[0] if same and kept[7] is relu_mask else None
-    needs = ctx.needs_input_grad
-    mask = [needs[0], needs[1], needs[2], needs[8]]
-    # fmt: off
-    dx, dweight, dbias, dres = _batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight,
-                                                   ctx.training, mask, residual, bias, ctx.act,
-                                                   forward, relu_mask)
-    # fmt: on
+    dx, dweight, dbias, dres = _batch_norm_act_grads(ctx, dy, 8)
     return dx, dweight, dbias, None, None, None, None, None, dres, None, None
+
+
+def _batch_norm_act_grads(ctx, dy, residual_at: int) -> tuple:
+    """(dx, dweight, dbias, dresidual) from what :func:`_save_batch_norm_act` saved, bound to the
+    forward's program (``ctx.bound``, dropped here) when the saved tensors are its own; the
+    residual is input ``residual_at`` of the Function."""
+    kept, ctx.bound = ctx.bound, None
+    saved = ctx.saved_tensors
+    x, weight, save_mean, save_rstd, residual, bias, relu_mask = saved
+    forward = None
+    if kept is not None and all(a is b for a, b in zip(kept[1:], saved, strict=True)):
+        forward = kept[0]
+    needs = ctx.needs_input_grad
+    mask = (needs[0], needs[1], needs[2], needs[residual_at])
+    if ctx.act == "identity":  # the residual's gradient is dy: plain batch norm's backward
+        # fmt: off
+        grads = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask[:3],
+                                forward)
+        # fmt: on
+        return (*grads, dy if mask[3] else None)
+    # fmt: off
+    return _batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask, residual,
+                               bias, ctx.act, forward, relu_mask)
+    # fmt: on
 
 
 def _make_row_norm_add_mul_backward(bwd):
@@ -305,13 +324,17 @@ _transforms_active = torch._C._are_functorch_transforms_active
 
 
 class _EagerFunction(torch.autograd.Function):
-    """Base of the eager Functions: ``Cls.run(*args)`` is ``Cls.apply(*args)``."""
+    """Base of the eager Functions: ``Cls.run(*args)`` is ``Cls.apply(*args)``;
+    ``Cls.c_apply(*args)`` is torch's C++ apply, for callers that checked for transforms and
+    unwrapped dead wrappers themselves."""
 
     run: staticmethod
+    c_apply: staticmethod
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         c_apply = _C_APPLY.__get__(None, cls)
+        cls.c_apply = staticmethod(c_apply)
         apply = cls.apply
 
         def run(*args):
@@ -399,6 +422,28 @@ class _BatchNormActFunction(_EagerFunction):
         return output
 
     backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))
+
+
+class _BatchNormReplayFunction(_EagerFunction):
+    """A replayed eager batch norm (+ residual + activation): ``forward(ctx, x, weight, bias,
+    residual, call)`` runs ``call``'s recorded program (:mod:`._replay`); y is its only output.
+    Saves what :class:`_BatchNormActFunction` saves, and binds the backward the same way."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, call):
+        y, mean, rstd, *kept = call.program.run(call.bk, call.device, call.tensors, call.pointers)
+        relu_mask = kept[0] if kept else None
+        # fmt: off
+        saved = _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask,
+                                     call.training, call.act)
+        # fmt: on
+        ctx.bound = (call.program, *saved)  # the replay's condition: no saved-tensor hooks
+        return y
+
+    @staticmethod
+    @_once_differentiable
+    def backward(ctx, dy):
+        return (*_batch_norm_act_grads(ctx, dy, 3), None)
 
 
 class _RowNormAddMulFunction(_EagerFunction):

@@ -288,6 +288,14 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   rstd = 1 / sqrt(var + eps),  y = (x - mean) * rstd * weight + bias
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
+def _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training, momentum,
+                            eps, residual, act, batches_tracked, keep_mask) -> tuple:  # fmt: skip
+    """The host op batch_norm_fwd's arguments (its call key: cupynorm.torch._replay)."""
+    args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act,
+            batches_tracked)  # fmt: skip
+    return (*args, True) if keep_mask else args
+
+
 def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, training, momentum, eps,
                          residual, act, batches_tracked, keep_mask=False):  # fmt: skip
     """``op`` (the host's batch_norm_fwd or its with_program) on x made dense, with the running
@@ -295,9 +303,10 @@ def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, trainin
     a fourth output (or None)."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
-    args = (x, _vec(weight), _vec(bias), mean, var, training, momentum, eps, residual, act,
-            batches_tracked)  # fmt: skip
-    result = op(*args, True) if keep_mask else op(*args)
+    # fmt: off
+    result = op(*_batch_norm_fwd_op_args(x, _vec(weight), _vec(bias), mean, var, training,
+                                         momentum, eps, residual, act, batches_tracked, keep_mask))
+    # fmt: on
     if training:
         _write_back(running_mean, mean)
         _write_back(running_var, var)

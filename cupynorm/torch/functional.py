@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _replay
 from ._autograd import (
     _BatchNormActFunction,
     _BatchNormFunction,
@@ -492,13 +492,23 @@ def _batch_norm(
     increment: by the kernel that updates the running statistics (one launch fewer than torch's
     module, whose ``add_`` is a kernel of its own), else by a torch op
     (:func:`_batch_norm_on_kernels`)."""
+    y, key = None, None
+    if _use_kernels(input) and not _traced(input):
+        # fmt: off
+        y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
+                                    momentum, eps, None, "identity", batches_tracked)
+        # fmt: on
+        if y is not None:
+            return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
     if not _batch_norm_on_kernels("batch_norm", args, batches_tracked):
         return F.batch_norm(*args)
     # fmt: off
-    return _apply_batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
-                             eps, batches_tracked)
+    y = _apply_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                          batches_tracked)
     # fmt: on
+    _replay.validated(key, input, (weight, bias, running_mean, running_var))
+    return y
 
 
 def batch_norm_act(
@@ -546,14 +556,24 @@ def _batch_norm_act(
     residual=None, activation="relu",
 ) -> Tensor:  # fmt: skip
     """:func:`batch_norm_act` with a module's batch counter, as :func:`_batch_norm`."""
+    y, key = None, None
+    if _use_kernels(input) and not _traced(input):
+        # fmt: off
+        y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
+                                    momentum, eps, residual, activation, batches_tracked)
+        # fmt: on
+        if y is not None:
+            return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
     if not _batch_norm_on_kernels("batch_norm_act", args, batches_tracked, residual, activation):
         y = F.batch_norm(*args)
         return ACTIVATIONS[activation](y if residual is None else y + residual)
     # fmt: off
-    return _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training,
-                                 momentum, eps, residual, activation, batches_tracked)
+    y = _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training, momentum,
+                              eps, residual, activation, batches_tracked)
     # fmt: on
+    _replay.validated(key, input, (weight, bias, running_mean, running_var))
+    return y
 
 
 def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
