@@ -248,6 +248,31 @@ def test_batch_counter_goes_to_the_kernels_only_as_an_int64_beside_the_input():
     assert int(m.num_batches_tracked) == 6
 
 
+def test_batch_norm_reads_its_tensors_as_attribute_access_gives_them(kernel_path):
+    """The modules read weight, bias and the buffers from the module's dicts, where
+    Module.__getattr__ finds them, unless something answers first: a class attribute (a
+    parametrization's property) or an instance attribute. Each case against torch's module."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    parametrized, plain = (_pair(cnt.BatchNorm2d, nn.BatchNorm2d, {}, torch.float64) for _ in "ab")
+    for m in parametrized:
+        parametrize.register_parametrization(m, "weight", Doubled())
+    for m in plain:  # running_var held as a plain attribute: no longer a buffer
+        del m.running_var
+        m.running_var = torch.full((3,), 4.0, dtype=torch.float64)
+    for a, b in (parametrized, plain):
+        for train in (True, False):
+            a.train(train), b.train(train)
+            torch.testing.assert_close(a(x), b(x))
+        torch.testing.assert_close(a.running_var, b.running_var)
+    assert type(parametrized[0]).__name__ == "ParametrizedBatchNorm2d"
+
+
 def test_kernel_route_frozen_parameters(kernel_path):
     """Weight not requiring grad: only the input gradient is computed and returned."""
     a, b = _pair(cnt.BatchNorm2d, nn.BatchNorm2d, dict(affine=True), dtype=torch.float64)
