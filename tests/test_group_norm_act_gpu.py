@@ -70,6 +70,19 @@ def _close(ours, ref, dtype, what, factor=1.0):
     assert err <= factor * TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
 
 
+def _close_as_torch(grads, dtype):
+    """Half precision's parameter gradients, ``grads`` = (ours, torch's unfused, float64, name):
+    ours within TOL or 1.5x torch's own error on the same data. They are float32 sums over a
+    group of terms rounded to the input's dtype (dt = dy * act'(t), rounded before the norm's
+    backward as torch's unfused activation backward hands it over) that cancel: over groups of
+    ~10^6 values the roundings add up beyond TOL for torch and for us alike (benchmarks/NOTES.md,
+    bfloat16 GroupNorm + SiLU gradients)."""
+    for ours, theirs, ref, what in grads:
+        assert not torch.isnan(ours).any(), f"NaN in {what}"
+        err, bound = _err(ours, ref), max(TOL[dtype], 1.5 * _err(theirs, ref))
+        assert err <= bound, f"{what}: relative error {err:.2e} > {bound:.2e}"
+
+
 @pytest.mark.parametrize("dtype", list(TOL))
 @pytest.mark.parametrize("act", ["silu", "relu", "identity"])
 @pytest.mark.parametrize("params", ["fp32", "input", "none"])
@@ -107,9 +120,17 @@ def test_group_norm_act_matches_unfused(dtype, act, params, shape, groups, fmt):
     _close(y.detach(), yd.detach(), dtype, "y")
     _close(x.grad, xd.grad, dtype, "dx")
     if w is not None:
-        _close(w.grad, wd.grad, dtype, "dweight")
-        _close(b.grad, bd.grad, dtype, "dbias")
         assert w.grad.dtype == w.dtype and b.grad.dtype == b.dtype
+        if dtype in ("float16", "bfloat16"):
+            xt = x.detach().clone().requires_grad_()
+            wt = w.detach().to(x.dtype).requires_grad_()  # torch's CUDA kernel: one dtype
+            bt = b.detach().to(x.dtype).requires_grad_()
+            ACTS[act](F.group_norm(xt, groups, wt, bt, 1e-5)).backward(dy)
+            pairs = ((w.grad, wt.grad, wd.grad, "dweight"), (b.grad, bt.grad, bd.grad, "dbias"))
+            _close_as_torch(pairs, dtype)
+        else:
+            _close(w.grad, wd.grad, dtype, "dweight")
+            _close(b.grad, bd.grad, dtype, "dbias")
     # and torch's unfused sequence in the input's dtype: ours is no further from float64 than
     # it (up to a quarter of the tolerance). Not "ours within 2x TOL of torch's": torch rounds
     # the norm's output before the activation, and on groups of a few values in fp16 its own
@@ -319,9 +340,8 @@ def test_group_norm_act_shift_matches_unfused(dtype, shape, groups, fmt):
     wt = w.detach().to(xt.dtype).requires_grad_()
     bt = b.detach().to(xt.dtype).requires_grad_()
     F.silu(F.group_norm(xt + st[:, :, None, None], groups, wt, bt, 1e-5)).backward(dy)
-    for ours, theirs, ref, what in ((w, wt, wd, "dweight"), (b, bt, bd, "dbias")):
-        err, bound = _err(ours.grad, ref.grad), max(TOL[dtype], 1.5 * _err(theirs.grad, ref.grad))
-        assert err <= bound, f"{what}: relative error {err:.2e} > {bound:.2e}"
+    _close_as_torch(((w.grad, wt.grad, wd.grad, "dweight"), (b.grad, bt.grad, bd.grad, "dbias")),
+                    dtype)  # fmt: skip
     dx = x.grad.double().flatten(2)
     exact_sum = dx.sum(2)
     allowed = exact_sum.abs() * torch.finfo(DTYPES[dtype]).eps + dx.abs().sum(2) * 1e-6
