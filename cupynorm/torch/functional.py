@@ -492,22 +492,43 @@ def _batch_norm(
     increment: by the kernel that updates the running statistics (one launch fewer than torch's
     module, whose ``add_`` is a kernel of its own), else by a torch op
     (:func:`_batch_norm_on_kernels`)."""
+    # fmt: off
+    return _batch_norm_route("batch_norm", input, running_mean, running_var, weight, bias,
+                             training, momentum, eps, batches_tracked, None, None)
+    # fmt: on
+
+
+def _batch_norm_route(
+    fn, input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked,
+    residual, activation,
+) -> Tensor:  # fmt: skip
+    """The route of a batch norm call, plain (``activation`` None) or fused: a replay of the
+    same call checked before (:mod:`._replay`), else the checks, then torch's functional or
+    cupynorm's kernels, whose call may be replayed from then on."""
     y, key = None, None
     if _use_kernels(input) and not _traced(input):
         # fmt: off
         y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
-                                    momentum, eps, None, "identity", batches_tracked)
+                                    momentum, eps, residual, activation or "identity",
+                                    batches_tracked)
         # fmt: on
         if y is not None:
             return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not _batch_norm_on_kernels("batch_norm", args, batches_tracked):
-        return F.batch_norm(*args)
-    # fmt: off
-    y = _apply_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
-                          batches_tracked)
-    # fmt: on
-    _replay.validated(key, input, (weight, bias, running_mean, running_var))
+    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation):
+        y = F.batch_norm(*args)
+        if activation is None:
+            return y
+        return ACTIVATIONS[activation](y if residual is None else y + residual)
+    vectors = (weight, bias, running_mean, running_var)
+    if activation is None:
+        y = _apply_batch_norm(input, *vectors, training, momentum, eps, batches_tracked)
+    else:
+        # fmt: off
+        y = _apply_batch_norm_act(input, *vectors, training, momentum, eps, residual, activation,
+                                  batches_tracked)
+        # fmt: on
+    _replay.validated(key, input, vectors)
     return y
 
 
@@ -556,24 +577,10 @@ def _batch_norm_act(
     residual=None, activation="relu",
 ) -> Tensor:  # fmt: skip
     """:func:`batch_norm_act` with a module's batch counter, as :func:`_batch_norm`."""
-    y, key = None, None
-    if _use_kernels(input) and not _traced(input):
-        # fmt: off
-        y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
-                                    momentum, eps, residual, activation, batches_tracked)
-        # fmt: on
-        if y is not None:
-            return y
-    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not _batch_norm_on_kernels("batch_norm_act", args, batches_tracked, residual, activation):
-        y = F.batch_norm(*args)
-        return ACTIVATIONS[activation](y if residual is None else y + residual)
     # fmt: off
-    y = _apply_batch_norm_act(input, weight, bias, running_mean, running_var, training, momentum,
-                              eps, residual, activation, batches_tracked)
+    return _batch_norm_route("batch_norm_act", input, running_mean, running_var, weight, bias,
+                             training, momentum, eps, batches_tracked, residual, activation)
     # fmt: on
-    _replay.validated(key, input, (weight, bias, running_mean, running_var))
-    return y
 
 
 def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
