@@ -227,3 +227,76 @@ def test_fuse_torchvision_resnet50():
     assert list(model.state_dict()) == list(ref.state_dict())
     x = torch.randn(2, 3, 64, 64)
     torch.testing.assert_close(model(x), ref(x))
+
+
+class _BatchNormTail(nn.BatchNorm2d):
+    """The shape of timm's BatchNormAct2d: torch's norm, then its drop and act submodules."""
+
+    def __init__(self, channels, act, drop=None) -> None:
+        super().__init__(channels)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+@pytest.mark.parametrize(
+    "act,drop,fused",
+    [
+        (nn.SiLU(), None, "silu"),
+        (nn.ReLU(inplace=True), None, "relu"),
+        (nn.GELU(), None, None),
+        (nn.SiLU(), nn.Dropout(0.0), None),  # a drop module: its own tail, never fused
+    ],
+    ids=["silu", "relu", "gelu", "dropout"],
+)
+def test_fuse_batch_norm_act_subclass_runs_the_fused_op(kernels, monkeypatch, act, drop, fused):
+    """A BatchNorm2d-act subclass replace_norms adopts with its tail: on the fused op when its
+    act is a ReLU/SiLU module and its drop an Identity; otherwise its own tail after the norm.
+    Trains as the subclass itself does (outputs, gradients, running statistics, batch count)."""
+    from cupynorm.torch import modules
+
+    calls = []
+    real = modules._batch_norm_act
+
+    def spy(*args, **kwargs):
+        calls.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "_batch_norm_act", spy)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(4, 6, 1), _BatchNormTail(6, act, drop)).double()
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    norm = model.get_submodule("1")
+    assert isinstance(norm, _BatchNormTail) and isinstance(norm, cnt.BatchNorm2d)
+    for _ in range(2):
+        x = torch.randn(3, 4, 5, 7, dtype=torch.float64)
+        outs = [m(x) for m in (model, ref)]
+        torch.testing.assert_close(outs[0], outs[1])
+        for out in outs:
+            out.square().sum().backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)
+    torch.testing.assert_close(model.state_dict(), ref.state_dict())
+    assert report == ([f"1 + {fused}"] if fused else [])
+    assert calls == ([fused] * 2 if fused else [])
+
+
+def test_fuse_timm_batch_norm_act():
+    try:
+        norm_act = pytest.importorskip("timm.layers.norm_act")
+    except ImportError as error:  # timm present but its own imports fail (no torchvision)
+        pytest.skip(f"timm does not import: {error}")
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        norm_act.BatchNormAct2d(16, act_layer=nn.SiLU),
+        norm_act.BatchNormAct2d(16, act_layer=nn.ReLU),
+        norm_act.BatchNormAct2d(16, apply_act=False),
+    )
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["0 + silu", "1 + relu"]
+    x = torch.randn(2, 16, 5, 5)
+    torch.testing.assert_close(model(x), ref(x))

@@ -727,3 +727,25 @@ def test_replace_norms_timm_norm_act_layers_on_cuda():
     assert type(y.grad_fn.next_functions[0][0]).__name__ == "_GroupNormFunctionBackward"
     _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
     _compare_state(model, ref, torch.float32, model=True)
+
+
+def test_fuse_timm_batch_norm_act_on_cuda():
+    """fuse() puts timm's BatchNormAct2d (BatchNorm, then an Identity drop and a SiLU/ReLU act)
+    on the fused kernel, and the model trains as timm's does (fp32: the fused kernels' other
+    dtypes are tests/test_fused_gpu.py's)."""
+    layers = pytest.importorskip("timm.layers")
+    torch.manual_seed(0)
+    ref = nn.Sequential(
+        nn.Conv2d(3, 16, 3),
+        layers.BatchNormAct2d(16, act_layer=nn.SiLU),
+        nn.Conv2d(16, 16, 3),
+        layers.BatchNormAct2d(16),  # ReLU
+    ).to(DEVICE)
+    report: list[str] = []
+    model = cnt.fuse(copy.deepcopy(ref), report=report)
+    assert report == ["1 + silu", "3 + relu"]
+    y = copy.deepcopy(model)(_inputs((4, 3, 11, 13), torch.float32)[0].requires_grad_())
+    assert "BatchNorm" in type(y.grad_fn).__name__  # the act runs in the norm's node
+    xs = _inputs((4, 3, 11, 13), torch.float32)
+    _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
+    _compare_state(model, ref, torch.float32, model=True)

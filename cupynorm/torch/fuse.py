@@ -21,7 +21,8 @@ its shifted input) has no other user. The norm module object itself becomes the 
 (its class is reassigned, as :func:`replace_norms` does): parameters, buffers and
 ``state_dict`` keys stay. Every other norm is
 converted by :func:`replace_norms`; a norm-plus-activation subclass it converts with its ``drop``
-and ``act`` tail (timm's ``GroupNormAct``/``GroupNorm1Act``) runs the fused GroupNorm kernel when
+and ``act`` tail (timm's ``BatchNormAct2d``, ``GroupNormAct``, ``GroupNorm1Act``) runs the fused
+kernel (:func:`~cupynorm.torch.batch_norm_act`, :func:`~cupynorm.torch.group_norm_act`) when
 ``drop`` is an ``Identity`` and ``act`` a ``ReLU``/``SiLU`` module (checked per call).
 
 A model whose ``forward`` does not trace (data-dependent control flow, ...) is fused submodule by
@@ -206,18 +207,22 @@ def _fuse_group_norm_graph(gm: fx.GraphModule, prefix: str, report: list[str] | 
     return fused
 
 
-_FUSED_TAILS: dict[type, type] = {}  # adopted GroupNorm-with-tail class -> its fused class
+_FUSED_TAILS: dict[type, type] = {}  # adopted norm-with-tail class -> its fused class
+_TAILED_NORMS = (modules.BatchNorm2d, modules.GroupNorm)  # the norms with a fused-act kernel
 
 
 def _fused_tail_class(cls: type) -> type:
-    """``cls`` (replace_norms' class of a GroupNorm subclass with a drop and act tail) running
-    the fused kernel when drop is an Identity and act a ReLU/SiLU module, else as before."""
+    """``cls`` (replace_norms' class of a BatchNorm2d or GroupNorm subclass with a drop and act
+    tail) running the fused kernel when drop is an Identity and act a ReLU/SiLU module, else as
+    before."""
     if cls not in _FUSED_TAILS:
 
         def forward(self, input: torch.Tensor) -> torch.Tensor:
             act = _ACT_MODULES.get(type(self.act))
             if act is None or type(self.drop) is not torch.nn.Identity:
                 return cls.forward(self, input)
+            if isinstance(self, modules.BatchNorm2d):
+                return modules._batch_norm_act_forward(self, input, None, act)
             # fmt: off
             return group_norm_act(input, self.num_groups, self.weight, self.bias, self.eps,
                                   act)
@@ -229,13 +234,14 @@ def _fused_tail_class(cls: type) -> type:
     return _FUSED_TAILS[cls]
 
 
-def _fuse_group_norm_tails(model: torch.nn.Module, report: list[str] | None) -> None:
-    """Put the GroupNorm subclasses replace_norms converted with their drop and act tail (timm's
-    GroupNormAct, GroupNorm1Act) on the fused kernel, where their act is a ReLU/SiLU module."""
+def _fuse_norm_tails(model: torch.nn.Module, report: list[str] | None) -> None:
+    """Put the BatchNorm2d and GroupNorm subclasses replace_norms converted with their drop and
+    act tail (timm's BatchNormAct2d, GroupNormAct, GroupNorm1Act) on the fused kernel, where
+    their act is a ReLU/SiLU module."""
     tails = {
         adopted
         for (_cls, tail), adopted in convert._ADOPTED.items()
-        if tail == ("drop", "act") and issubclass(adopted, modules.GroupNorm)
+        if tail == ("drop", "act") and issubclass(adopted, _TAILED_NORMS)
     }
     for name, module in model.named_modules():
         if (
@@ -281,5 +287,5 @@ def fuse(model: torch.nn.Module, *, report: list[str] | None = None) -> torch.nn
         49                   # 4 downsample BatchNorms feed an add that is already fused
     """
     replace_norms(model)
-    _fuse_group_norm_tails(model, report)
+    _fuse_norm_tails(model, report)
     return _fuse(model, "", report)

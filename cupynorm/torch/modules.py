@@ -136,6 +136,24 @@ class _BatchNormForward:
         )
 
 
+def _batch_norm_act_forward(
+    module: _BatchNormForward, input: Tensor, residual: Tensor | None, activation: str
+) -> Tensor:
+    """``activation(module's batch norm(input) + residual)``: :class:`BatchNormAct2d`'s forward,
+    and that of a norm-act subclass :func:`cupynorm.torch.fuse` runs on the fused op."""
+    args = module._batch_norm_args(input, count_in_kernel=True)
+    if torch.compiler.is_compiling() or (
+        residual is not None and (residual.shape != input.shape or residual.dtype != input.dtype)
+    ):
+        # The add and the activation as torch ops after cupynorm's batch norm: an add that
+        # broadcasts or promotes (fuse() cannot see shapes), and under torch.compile, whose
+        # Inductor fuses them with their neighbours itself (resnet50 batch 256 compiled, H200:
+        # 41.1 ms so, 51.1 ms with the fused op; benchmarks/NOTES.md)
+        y = _batch_norm(*args)
+        return ACTIVATIONS[activation](y if residual is None else y + residual)
+    return _batch_norm_act(*args, residual, activation)
+
+
 class _InstanceNormForward:
     """``forward`` of ``torch.nn.modules.instancenorm._InstanceNorm`` on :func:`instance_norm`."""
 
@@ -292,18 +310,7 @@ class BatchNormAct2d(BatchNorm2d):
         self.activation = activation
 
     def forward(self, input: Tensor, residual: Tensor | None = None) -> Tensor:
-        args = self._batch_norm_args(input, count_in_kernel=True)
-        if torch.compiler.is_compiling() or (
-            residual is not None
-            and (residual.shape != input.shape or residual.dtype != input.dtype)
-        ):
-            # The add and the activation as torch ops after cupynorm's batch norm: an add that
-            # broadcasts or promotes (fuse() cannot see shapes), and under torch.compile, whose
-            # Inductor fuses them with their neighbours itself (resnet50 batch 256 compiled, H200:
-            # 41.1 ms so, 51.1 ms with the fused op; benchmarks/NOTES.md)
-            y = _batch_norm(*args)
-            return ACTIVATIONS[self.activation](y if residual is None else y + residual)
-        return _batch_norm_act(*args, residual, self.activation)
+        return _batch_norm_act_forward(self, input, residual, self.activation)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, activation={self.activation!r}"
