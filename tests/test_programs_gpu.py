@@ -164,3 +164,37 @@ def test_replay_leaves_a_tensor_on_another_device_to_the_full_paths_error():
             module(x)
         errors.append((type(error.value), str(error.value)))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_replayed_step_with_frozen_parameters_and_a_retained_graph(training):
+    """Frozen weight and bias (a fine-tuned or detection backbone): the replay computes only the
+    input gradient, as the full path; a retained graph's second backward (the bound program was
+    dropped by the first) gives the same gradient again."""
+    import copy
+
+    import cupynorm.torch as cnt
+    from cupynorm import _program
+
+    torch.manual_seed(0)
+    module = cnt.BatchNormAct2d(32).cuda().train(training)
+    module.requires_grad_(False)
+    x, dy, z = (
+        torch.randn(4, 32, 9, 7, device="cuda", dtype=torch.bfloat16).to(
+            memory_format=torch.channels_last
+        )
+        for _ in range(3)
+    )
+    full, replayed = module, copy.deepcopy(module)
+    _program._PROGRAMS.clear()
+    grads = []
+    for m in (full, replayed):
+        xg = x.detach().requires_grad_()
+        y = m(xg, z)
+        assert m.weight.grad is None
+        (dx,) = torch.autograd.grad(y, xg, dy, retain_graph=True)
+        (again,) = torch.autograd.grad(y, xg, dy)
+        assert torch.equal(dx, again)
+        grads.append((type(y.grad_fn).__name__, y, dx))
+    assert grads[1][0] == "_BatchNormReplayFunctionBackward" != grads[0][0]
+    assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])
