@@ -251,21 +251,33 @@ def test_batch_counter_goes_to_the_kernels_only_as_an_int64_beside_the_input():
 def test_batch_norm_reads_its_tensors_as_attribute_access_gives_them(kernel_path):
     """The modules read weight, bias and the buffers from the module's dicts, where
     Module.__getattr__ finds them, unless something answers first: a class attribute (a
-    parametrization's property) or an instance attribute. Each case against torch's module."""
+    parametrization's property), an instance attribute or the class's own __getattr__. Each case
+    against torch's module."""
     import torch.nn.utils.parametrize as parametrize
 
     class Doubled(nn.Module):
         def forward(self, w):
             return 2 * w
 
+    def zero_bias(cls):
+        class ZeroBias(cls):  # its own __getattr__: the bias it gives is not the registered one
+            def __getattr__(self, name):
+                value = super().__getattr__(name)
+                return torch.zeros_like(value) if name == "bias" else value
+
+        return ZeroBias
+
     x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
     parametrized, plain = (_pair(cnt.BatchNorm2d, nn.BatchNorm2d, {}, torch.float64) for _ in "ab")
+    overriding = _pair(zero_bias(cnt.BatchNorm2d), zero_bias(nn.BatchNorm2d), {}, torch.float64)
+    for m in overriding:
+        nn.init.ones_(m._parameters["bias"])
     for m in parametrized:
         parametrize.register_parametrization(m, "weight", Doubled())
     for m in plain:  # running_var held as a plain attribute: no longer a buffer
         del m.running_var
         m.running_var = torch.full((3,), 4.0, dtype=torch.float64)
-    for a, b in (parametrized, plain):
+    for a, b in (parametrized, plain, overriding):
         for train in (True, False):
             a.train(train), b.train(train)
             torch.testing.assert_close(a(x), b(x))

@@ -56,19 +56,22 @@ __all__ = [
 
 
 _TENSOR_NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
-_ANSWERED_ELSEWHERE: dict[type, bool] = {}  # class -> a class attribute answers for a name
+_ANSWERED_ELSEWHERE: dict[type, bool] = {}  # class -> something but the dicts may answer
 
 
 def _module_tensors(module: torch.nn.Module) -> list:
     """``module.weight``, ``.bias``, ``.running_mean``, ``.running_var``,
     ``.num_batches_tracked`` as attribute access gives them. ``Module.__getattr__`` finds them in
     ``_parameters`` or ``_buffers`` (~0.4 us each, five per training call); they are read there
-    directly unless something is found before it: a class attribute (a parametrization's
-    property, a subclass's) or an instance attribute of the name."""
+    directly unless something else may answer: a class attribute (a parametrization's
+    property, a subclass's), an instance attribute of the name, a class's own ``__getattr__``."""
     cls = type(module)
     elsewhere = _ANSWERED_ELSEWHERE.get(cls)
     if elsewhere is None:
-        elsewhere = _ANSWERED_ELSEWHERE[cls] = any(hasattr(cls, n) for n in _TENSOR_NAMES)
+        elsewhere = any(hasattr(cls, n) for n in _TENSOR_NAMES)
+        elsewhere = _ANSWERED_ELSEWHERE[cls] = (
+            elsewhere or cls.__getattr__ is not torch.nn.Module.__getattr__
+        )
     state = module.__dict__
     params, buffers = state["_parameters"], state["_buffers"]
     tensors = []
