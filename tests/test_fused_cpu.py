@@ -102,6 +102,9 @@ def test_batch_norm_act_argument_errors():
         cnt.batch_norm_act(x, None, None, training=True, residual=x.double())
     with pytest.raises(InvalidTypeError, match="residual"):
         cnt.batch_norm_act(x, None, None, training=True, residual=1.0)
+    for fn in (cnt.batch_norm, cnt.batch_norm_act):  # the input itself, before any route
+        with pytest.raises(InvalidTypeError, match="expected input to be a torch.Tensor"):
+            fn(x.tolist(), None, None, training=True)
 
 
 def test_batch_norm_act2d_module_contract():

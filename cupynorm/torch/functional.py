@@ -506,7 +506,7 @@ def _batch_norm_route(
     same call checked before (:mod:`._replay`), else the checks, then torch's functional or
     cupynorm's kernels, whose call may be replayed from then on."""
     y, key = None, None
-    if _use_kernels(input) and not _traced(input):
+    if type(input) is Tensor and _use_kernels(input) and not _traced(input):
         # fmt: off
         y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
                                     momentum, eps, residual, activation or "identity",
