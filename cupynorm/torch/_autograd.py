@@ -16,6 +16,8 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.function import once_differentiable
 
+from cupynorm import _program
+
 from ._kernels import (
     _batch_norm_act_bwd,
     _batch_norm_bwd,
@@ -26,6 +28,7 @@ from ._kernels import (
     _group_norm_act_fwd,
     _group_norm_bwd,
     _group_norm_fwd,
+    _host,
     _instance_norm_fwd,
     _row_norm_add_mul_bwd,
     _row_norm_add_mul_fwd,
@@ -274,10 +277,13 @@ def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
     return dx, dweight, dbias, None, None, None, None, None, dres, None, None
 
 
-def _batch_norm_act_grads(ctx, dy, residual_at: int) -> tuple:
+def _batch_norm_act_grads(ctx, dy, residual_at: int, dense: bool = False) -> tuple:
     """(dx, dweight, dbias, dresidual) from what :func:`_save_batch_norm_act` saved, bound to the
     forward's program (``ctx.bound``, dropped here) when the saved tensors are its own; the
-    residual is input ``residual_at`` of the Function."""
+    residual is input ``residual_at`` of the Function. ``dense``: the forward ran on the
+    arguments as given (a replay, cupynorm.torch._replay), so the bound call takes them as they
+    are, without the layers that make them dense and the gradients' layouts and dtypes match
+    (the host op returns them so for such inputs)."""
     kept, ctx.bound = ctx.bound, None
     saved = ctx.saved_tensors
     x, weight, save_mean, save_rstd, residual, bias, relu_mask = saved
@@ -286,6 +292,17 @@ def _batch_norm_act_grads(ctx, dy, residual_at: int) -> tuple:
         forward = kept[0]
     needs = ctx.needs_input_grad
     mask = (needs[0], needs[1], needs[2], needs[residual_at])
+    if dense and forward is not None:
+        host = _host()
+        if ctx.act == "identity":
+            args = (dy, x, save_mean, save_rstd, weight, ctx.training, mask[:3])
+            grads = _program.call_bound(forward, host.batch_norm_bwd, args)
+            return (*grads, dy if mask[3] else None)
+        # fmt: off
+        args = (dy, x, save_mean, save_rstd, weight, ctx.training, mask, residual, bias, ctx.act,
+                *(() if relu_mask is None else (relu_mask,)))
+        # fmt: on
+        return _program.call_bound(forward, host.batch_norm_act_bwd, args)
     if ctx.act == "identity":  # the residual's gradient is dy: plain batch norm's backward
         # fmt: off
         grads = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask[:3],
@@ -443,7 +460,7 @@ class _BatchNormReplayFunction(_EagerFunction):
     @staticmethod
     @_once_differentiable
     def backward(ctx, dy):
-        return (*_batch_norm_act_grads(ctx, dy, 3), None)
+        return (*_batch_norm_act_grads(ctx, dy, 3, dense=True), None)
 
 
 class _RowNormAddMulFunction(_EagerFunction):
