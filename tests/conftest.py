@@ -18,6 +18,15 @@ def cuda_available() -> bool:
 requires_gpu = pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")
 
 
+def timm_norm_act():
+    """timm.layers.norm_act, or the test skipped (timm missing, or its own imports failing:
+    timm present without torchvision)."""
+    try:
+        return pytest.importorskip("timm.layers.norm_act")
+    except ImportError as error:
+        pytest.skip(f"timm does not import: {error}")
+
+
 def poison_torch_allocator(nbytes: int = 64 << 20) -> None:
     """Fill freed blocks of torch's caching allocator with NaN, so an unwritten output shows."""
     import torch

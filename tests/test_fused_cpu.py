@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import timm_norm_act
 from torch import nn
 
 import cupynorm.torch as cnt
@@ -288,10 +289,7 @@ def test_fuse_batch_norm_act_subclass_runs_the_fused_op(kernels, monkeypatch, ac
 
 
 def test_fuse_timm_batch_norm_act():
-    try:
-        norm_act = pytest.importorskip("timm.layers.norm_act")
-    except ImportError as error:  # timm present but its own imports fail (no torchvision)
-        pytest.skip(f"timm does not import: {error}")
+    norm_act = timm_norm_act()
     torch.manual_seed(0)
     ref = nn.Sequential(
         norm_act.BatchNormAct2d(16, act_layer=nn.SiLU),

@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import timm_norm_act
 from torch import nn
 
 import cupynorm
@@ -275,10 +276,7 @@ def test_fuse_norm_act_subclass_runs_the_fused_op(monkeypatch, act, drop, fused)
 
 
 def test_fuse_timm_group_norm_act():
-    try:
-        norm_act = pytest.importorskip("timm.layers.norm_act")
-    except ImportError as error:  # timm present but its own imports fail (no torchvision)
-        pytest.skip(f"timm does not import: {error}")
+    norm_act = timm_norm_act()
     torch.manual_seed(0)
     ref = nn.Sequential(
         norm_act.GroupNormAct(16, num_groups=8, act_layer=nn.SiLU),
