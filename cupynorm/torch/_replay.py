@@ -26,15 +26,14 @@ from torch import Tensor
 
 from cupynorm import _program
 
-from ._autograd import _BatchNormReplayFunction, _hooks_active
+from ._autograd import _BatchNormReplayFunction, _hooks_active, _transforms_active
 from ._kernels import _batch_norm_fwd_op_args
 from ._reference import _layout
 
-_transforms_active = torch._C._are_functorch_transforms_active
 _unwrap = torch._C._functorch.unwrap_if_dead
 
 
-class _Call:
+class _Replayed:
     """A replayed forward: its program and what it was called with."""
 
     __slots__ = ("program", "bk", "device", "tensors", "pointers", "training", "act")
@@ -46,20 +45,15 @@ class _Call:
 
 
 def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-               act, batches_tracked) -> tuple[Tensor | None, tuple | None]:  # fmt: skip
+               act, batches_tracked, grad) -> tuple[Tensor | None, tuple | None]:  # fmt: skip
     """``act(batch_norm(x) + residual)`` replayed: (y, None); or (None, the call key to hand
     :func:`validated` once the full path ran it) or (None, None) when the call cannot be
     replayed. The arguments are :func:`cupynorm.torch.functional._batch_norm_act`'s (act
     "identity" and residual None: plain batch norm), on tensors the kernels take (CUDA), in a
-    call nothing traces (``functional._traced``)."""
+    call nothing traces (``functional._traced``); ``grad``: whether the call needs autograd
+    (``functional._wants_grad``)."""
     if _program._active.recording is not None or _transforms_active():
         return None, None
-    grad = torch.is_grad_enabled() and (
-        x.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-        or (residual is not None and residual.requires_grad)
-    )
     if grad and _hooks_active():
         return None, None
     x = _unwrap(x)
@@ -80,7 +74,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
             return None, None
     if not grad:
         return program.run(bk, key[2], tensors, pointers)[0], None
-    call = _Call(program, bk, key, tensors, pointers, training, act)
+    call = _Replayed(program, bk, key, tensors, pointers, training, act)
     weight = weight if weight is None else _unwrap(weight)
     bias = bias if bias is None else _unwrap(bias)
     return _BatchNormReplayFunction.c_apply(x, weight, bias, residual, call), None

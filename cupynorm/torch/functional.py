@@ -111,11 +111,12 @@ def _traced(x: Tensor) -> bool:
     return _is_compiling() or type(x) is not Tensor or _dispatch_stack_len() != 0
 
 
-def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None) -> bool:
+def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None, c: Tensor | None = None) -> bool:
     return torch.is_grad_enabled() and (
         x.requires_grad
         or (a is not None and a.requires_grad)
         or (b is not None and b.requires_grad)
+        or (c is not None and c.requires_grad)
     )
 
 
@@ -212,9 +213,7 @@ def _apply_batch_norm_act(
         if new_var is not None:
             running_var.copy_(new_var)
         return y
-    if _wants_grad(x, weight, bias) or (
-        residual is not None and residual.requires_grad and torch.is_grad_enabled()
-    ):
+    if _wants_grad(x, weight, bias, residual):
         return _BatchNormActFunction.run(*args, batches_tracked)[0]
     return _batch_norm_fwd(*args, batches_tracked)[0]
 
@@ -510,7 +509,7 @@ def _batch_norm_route(
         # fmt: off
         y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
                                     momentum, eps, residual, activation or "identity",
-                                    batches_tracked)
+                                    batches_tracked, _wants_grad(input, weight, bias, residual))
         # fmt: on
         if y is not None:
             return y
