@@ -20,6 +20,7 @@ from cupynorm import _program
 
 from ._kernels import (
     _batch_norm_act_bwd,
+    _batch_norm_act_bwd_op_args,
     _batch_norm_bwd,
     _batch_norm_fwd_program,
     _channel_norm_bwd,
@@ -299,8 +300,8 @@ def _batch_norm_act_grads(ctx, dy, residual_at: int, dense: bool = False) -> tup
             grads = _program.call_bound(forward, host.batch_norm_bwd, args)
             return (*grads, dy if mask[3] else None)
         # fmt: off
-        args = (dy, x, save_mean, save_rstd, weight, ctx.training, mask, residual, bias, ctx.act,
-                *(() if relu_mask is None else (relu_mask,)))
+        args = _batch_norm_act_bwd_op_args(dy, x, save_mean, save_rstd, weight, ctx.training,
+                                           mask, residual, bias, ctx.act, relu_mask)
         # fmt: on
         return _program.call_bound(forward, host.batch_norm_act_bwd, args)
     if ctx.act == "identity":  # the residual's gradient is dy: plain batch norm's backward

@@ -396,6 +396,14 @@ def _batch_norm_fwd_program(x, weight, bias, running_mean, running_var, training
     return ((*outputs, None) if keep_mask else outputs), None
 
 
+def _batch_norm_act_bwd_op_args(dy, x, save_mean, save_rstd, weight, training, output_mask,
+                                residual, bias, act, relu_mask) -> tuple:  # fmt: skip
+    """The host op batch_norm_act_bwd's arguments (also built by the replayed backward,
+    cupynorm.torch._autograd._batch_norm_act_grads: one key for both)."""
+    args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
+    return args if relu_mask is None else (*args, relu_mask)
+
+
 def _batch_norm_act_bwd_cuda(
     dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act, forward=None,
     relu_mask=None,
@@ -406,9 +414,10 @@ def _batch_norm_act_bwd_cuda(
     x, fmt = _dense(x)
     dy = dy.contiguous(memory_format=fmt)
     mask = tuple(output_mask)
-    args = (dy, x, save_mean, save_rstd, _vec(weight), training, mask, residual, _vec(bias), act)
-    if relu_mask is not None:
-        args += (relu_mask,)
+    # fmt: off
+    args = _batch_norm_act_bwd_op_args(dy, x, save_mean, save_rstd, _vec(weight), training, mask,
+                                       residual, _vec(bias), act, relu_mask)
+    # fmt: on
     op = _host().batch_norm_act_bwd
     grads = op(*args) if forward is None else _program.call_bound(forward, op, args)
     dx, dweight, dbias, dres = grads
