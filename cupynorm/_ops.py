@@ -594,7 +594,6 @@ def row_norm_bwd(
     weight: Any,
     row_len: int,
     needs_input_grad: tuple[bool, bool, bool],
-    *,
     cast: bool = False,
 ) -> tuple:
     """(dx, dweight, dbias) of row_norm_fwd over rows of ``row_len``; ``mean`` None: RMSNorm;

@@ -245,9 +245,11 @@ class _Program:
         self.allocations, self.steps, self.outputs = allocations, steps, outputs
         self.mutating = mutating
         self.bound: dict[Any, list[_Bound]] = {}  # calls bound to this one: call_bound
-        # the call passed its caller's argument checks with arguments the op took as given:
-        # the caller may replay it without them (cupynorm.torch._replay)
-        self.validated = False
+        # the origins (what of the caller's arguments is not in the key: None when nothing is)
+        # of calls that passed the caller's argument checks with arguments the op took as
+        # given: the caller may replay a call of such an origin without them
+        # (cupynorm.torch._replay)
+        self.validated: set = set()
         n_objects = n_inputs + len(allocations)
         offsets: dict[tuple[int, int], int] = {}  # (object, byte offset) -> place after objects
         for *_, slots in steps:

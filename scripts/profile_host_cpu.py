@@ -1,9 +1,9 @@
 """The Python host path of one norm layer's training step, without a GPU (development tool).
 
 CPU tensors stand in for device arrays and a driver that does nothing stands in for CUDA (as in
-tests/test_programs_cpu.py), so a ``BatchNormAct2d`` (or ``BatchNorm2d``) forward + backward runs
-cupynorm's whole CUDA host code -- module, checks, autograd.Function, the recorded calls'
-replays, the launchers' argument packing -- with no kernels. Prints the time per step and a
+tests/test_programs_cpu.py), so a ``BatchNormAct2d`` (or another layer of ``_LAYERS``) forward
++ backward runs cupynorm's whole CUDA host code -- module, checks, autograd.Function, the
+recorded calls' replays, the launchers' argument packing -- with no kernels. Prints the time per step and a
 cProfile by own time: what is left of the step's host time once launches and allocations are
 cheap. The device's numbers (cuLaunchKernel ~4 us each, allocations ~3-4 us) come on top;
 scripts/profile_train_host.py measures those on a GPU.
@@ -17,8 +17,8 @@ BatchNorm2d, on a tiny 2x3x32x32 input) as torch's, converted by ``cupynorm.torc
 with its norm layers removed: the host time per norm layer inside a model's step, to set beside
 the chain's.
 
-Usage: python scripts/profile_host_cpu.py [act|bn] [--steps N] [--stack L] [--launches driver|none]
-       [--model]
+Usage: python scripts/profile_host_cpu.py [act|bn|gn|gnact|ln] [--steps N] [--stack L]
+       [--launches driver|none] [--model]
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from test_programs_cpu import H200, _CpuTorchBackend  # noqa: E402
+from test_programs_cpu import H200, _CpuTorchBackend, route_eager_to_host_code  # noqa: E402
 
 import cupynorm.torch as cnt  # noqa: E402
 from cupynorm import _compile, _interop, _plan, _program  # noqa: E402
-from cupynorm.torch import _autograd, _kernels, functional  # noqa: E402
 
 
 class _NoLaunch:
@@ -87,10 +86,7 @@ def _cuda_host_code_on_cpu(launches: str = "driver") -> None:
     _compile.resident_ctas = lambda *a: 2
     _compile.has_cooperative_launch = lambda: True
     _program.check_replay = None
-    functional._use_kernels = lambda x: True
-    _autograd._batch_norm_fwd_program = _kernels._batch_norm_fwd_cuda_program
-    _autograd._batch_norm_bwd = _kernels._batch_norm_bwd_cuda
-    _autograd._batch_norm_act_bwd = _kernels._batch_norm_act_bwd_cuda
+    route_eager_to_host_code()
 
 
 def _resnet50_shaped(base: int = 8) -> torch.nn.Module:
@@ -190,9 +186,20 @@ def _model_steps(steps: int, profile: bool) -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
+# the layer of a step: BatchNormAct2d with a residual, BatchNorm2d, GroupNorm(32),
+# GroupNormAct(32) (SiLU), LayerNorm over 64 features
+_LAYERS = {
+    "act": lambda: cnt.BatchNormAct2d(64),
+    "bn": lambda: cnt.BatchNorm2d(64),
+    "gn": lambda: cnt.GroupNorm(32, 64),
+    "gnact": lambda: cnt.GroupNormAct(32, 64),
+    "ln": lambda: cnt.LayerNorm(64),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("layer", nargs="?", choices=("act", "bn"), default="act")
+    parser.add_argument("layer", nargs="?", choices=sorted(_LAYERS), default="act")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--stack", type=int, default=1, help="layers in a chain (default 1)")
     parser.add_argument("--launches", choices=("driver", "none"), default="driver")
@@ -205,9 +212,14 @@ def main() -> None:
         _model_steps(max(1, args.steps // 100), not args.no_profile)
         return
     act = args.layer == "act"
-    layers = [cnt.BatchNormAct2d(64) if act else cnt.BatchNorm2d(64) for _ in range(args.stack)]
+    layers = [_LAYERS[args.layer]() for _ in range(args.stack)]
     shape = (8, 64, 14, 14) if args.stack == 1 else (8, 64, 2, 2)  # small: no CPU copies
-    x = torch.randn(shape).to(memory_format=torch.channels_last).requires_grad_()
+    if args.layer == "ln":
+        shape = (8, 196, 64) if args.stack == 1 else (8, 4, 64)
+    x = torch.randn(shape)
+    if x.dim() == 4:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
     residual = torch.randn_like(x).requires_grad_()
     dy = torch.randn_like(x)
 

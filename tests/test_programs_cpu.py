@@ -671,16 +671,34 @@ def test_replay_launches_what_the_full_path_launches(launches, monkeypatch, case
 
 
 # ---- the backward bound at forward time (eager autograd.Functions) ---------------------------
+def route_eager_to_host_code(setattr=setattr) -> None:
+    """Send the modules' eager path on CPU tensors through the CUDA host code (the Functions'
+    kernels, the no-grad calls' kernels); ``setattr``: monkeypatch's, or the plain one (the
+    development scripts)."""
+    from cupynorm.torch import _autograd, _kernels, functional
+
+    setattr(functional, "_use_kernels", lambda x: True)
+    setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
+    setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
+    setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
+    for name in ("group_norm", "group_norm_act", "row_norm"):  # the full Functions' kernels
+        setattr(_autograd, f"_{name}_fwd", getattr(_kernels, f"_{name}_fwd_cuda"))
+        # the backwards pick the CPU's kernel by device (some inside closures made at import)
+        setattr(_kernels, f"_{name}_bwd_reference", getattr(_kernels, f"_{name}_bwd_cuda"))
+
+    def output(fwd, pick):  # the no-grad calls' kernels
+        return lambda *args: fwd(*args, want_stats=False)[pick]
+
+    setattr(functional, "_group_norm_output", output(_kernels._group_norm_fwd_cuda, 0))
+    setattr(functional, "_group_norm_act_output", output(_kernels._group_norm_act_fwd_cuda, 0))
+    setattr(functional, "_row_norm_output", output(_kernels._row_norm_fwd_cuda, slice(0, 2)))
+
+
 @pytest.fixture
 def eager(launches, monkeypatch):
     """The modules' eager path on the CUDA host code (CPU tensors, the launch log), and a count
     of the call keys built (the backward bound to its forward builds none)."""
-    from cupynorm.torch import _autograd, _kernels, functional
-
-    monkeypatch.setattr(functional, "_use_kernels", lambda x: True)
-    monkeypatch.setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
-    monkeypatch.setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
-    monkeypatch.setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
+    route_eager_to_host_code(monkeypatch.setattr)
     keys: list = []
     call_key = _interop.TorchBackend.call_key
 
@@ -828,14 +846,14 @@ def test_a_checked_call_is_replayed_with_the_full_paths_launches(eager, act, res
     log.clear()
     x, dy = _cl(*shape), _cl(*shape)
     y = _step(module, x, dy, *z)
-    assert _node(y) == "_BatchNormReplayFunctionBackward"
+    assert _node(y) == "_ReplayFunctionBackward"
     assert keys == ["batch_norm_fwd"]
     assert y.grad_fn.bound is None  # dropped by the backward
     replayed = log[:]
     _program._PROGRAMS.clear()  # the validations go with the programs
     log.clear()
     y = _step(module, x, dy, *z)
-    assert _node(y) != "_BatchNormReplayFunctionBackward"
+    assert _node(y) != "_ReplayFunctionBackward"
     assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
 
 
@@ -873,7 +891,7 @@ def test_only_calls_that_passed_the_checks_as_given_are_replayed(eager) -> None:
     key = _program._call_key("batch_norm_fwd", args, {})[1]
     assert isinstance(_program._PROGRAMS.get(key), _program._Program)
     assert _node(module(x)).startswith("_BatchNormFunction")
-    assert _node(module(x)) == "_BatchNormReplayFunctionBackward"  # checked by the call before
+    assert _node(module(x)) == "_ReplayFunctionBackward"  # checked by the call before
     strided = torch.rand(4, 16, 5, 14)[..., ::2].requires_grad_()  # not dense: copied
     for _ in range(3):
         assert _node(module(strided)).startswith("_BatchNormFunction")
@@ -896,5 +914,169 @@ def test_replayed_backward_raises_torchs_error_for_an_input_modified_in_place(ea
         with pytest.raises(RuntimeError) as error:
             y.backward(_cl(4, 16, 5, 7))
         errors.append(str(error.value).split(";")[0].split(":")[0])
-    assert _node(y) == "_BatchNormReplayFunctionBackward"
+    assert _node(y) == "_ReplayFunctionBackward"
     assert errors[0] == errors[1], errors
+
+
+# ---- replayed group norm and row norm calls --------------------------------------------------
+def _norm_calls():
+    """name -> (the call's forward op, a maker of (callable, inputs, extra tensor arguments)):
+    group and row norm calls through the modules and the functional API."""
+    import cupynorm.torch as cnt
+
+    def module(make, *shape, fmt=torch.contiguous_format, extra=()):
+        return lambda: (make(), torch.rand(shape).to(memory_format=fmt), [f() for f in extra])
+
+    def shift():
+        return torch.rand(4, 16)
+
+    def residual():
+        return torch.rand(6, 5, 32)
+
+    def rows(fn, *args):  # a functional row norm with a residual: (out, sum)
+        return lambda x, r: fn(x, r, *args)
+
+    w = torch.rand(32, requires_grad=True)
+    return {
+        "group_norm": ("group_norm_fwd", module(lambda: cnt.GroupNorm(4, 16), 4, 16, 5, 7)),
+        "group_norm-cl": (
+            "group_norm_fwd",
+            module(lambda: cnt.GroupNorm(4, 16), 4, 16, 5, 7, fmt=torch.channels_last),
+        ),
+        "group_norm_act-shift": (
+            "group_norm_fwd",
+            module(lambda: cnt.GroupNormAct(4, 16), 4, 16, 5, 7, extra=(shift,)),
+        ),
+        "layer_norm": ("row_norm_fwd", module(lambda: cnt.LayerNorm(32), 6, 5, 32)),
+        "layer_norm-2-dims": ("row_norm_fwd", module(lambda: cnt.LayerNorm((5, 32)), 6, 5, 32)),
+        "layer_norm-bias-only": (
+            "row_norm_fwd",
+            module(lambda: lambda x: cnt.layer_norm(x, 32, None, w.detach() + 0), 6, 5, 32),
+        ),
+        "rms_norm": ("row_norm_fwd", module(lambda: cnt.RMSNorm(32), 6, 5, 32)),
+        "llama_rms_norm": ("row_norm_fwd", module(lambda: cnt.LlamaRMSNorm(32), 6, 5, 32)),
+        "add_layer_norm": (
+            "row_norm_fwd",
+            module(lambda: rows(cnt.add_layer_norm, 32, w), 6, 5, 32, extra=(residual,)),
+        ),
+        "add_rms_norm": (
+            "row_norm_fwd",
+            module(lambda: rows(cnt.add_rms_norm, 32, w), 6, 5, 32, extra=(residual,)),
+        ),
+    }
+
+
+def _norm_step(fn, x, extra, dys):
+    """One forward + backward: (the first output, its tensors' and the gradients' metadata)."""
+    x = x.detach().requires_grad_()
+    extra = [t.detach().requires_grad_() for t in extra]
+    out = fn(x, *extra)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, dys[: len(outs)])
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    grads = [t.grad for t in (x, *extra, *params)]
+    for p in params:
+        p.grad = None
+    meta = [None if t is None else (t.shape, t.stride(), t.dtype) for t in (*outs, *grads)]
+    return outs[0], meta
+
+
+@pytest.mark.parametrize("case", list(_norm_calls()))
+def test_group_and_row_norm_calls_are_replayed_with_the_full_paths_launches(eager, case) -> None:
+    """As batch norm's: the first call takes the full path; later calls of the key replay its
+    program (one call key, the forward's, once the backward is bound) with the full path's
+    launches in both directions, outputs and gradients of the full path's shapes, strides and
+    dtypes."""
+    log, keys = eager
+    forward, make = _norm_calls()[case]
+    fn, x, extra = make()
+    dys = [torch.rand_like(x), torch.rand_like(x)]  # laid out as x, as a model's would be
+    y, _ = _norm_step(fn, x, extra, dys)
+    assert _node(y) != "_ReplayFunctionBackward"
+    _norm_step(fn, x, extra, dys)  # replayed; the backward binds
+    keys.clear()
+    log.clear()
+    y, replayed_meta = _norm_step(fn, x, extra, dys)
+    assert _node(y) == "_ReplayFunctionBackward"
+    # the sum's gradient is no tensor of the forward's: no bound call then
+    assert keys == [forward] + (["row_norm_bwd"] if case.startswith("add") else [])
+    assert y.grad_fn.bound is None  # dropped by the backward
+    replayed = log[:]
+    _program._PROGRAMS.clear()  # the validations go with the programs
+    log.clear()
+    y, full_meta = _norm_step(fn, x, extra, dys)
+    assert _node(y) != "_ReplayFunctionBackward"
+    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
+    assert replayed_meta == full_meta
+
+
+@pytest.mark.parametrize("case", ["group_norm-cl", "layer_norm", "add_rms_norm"])
+def test_group_and_row_norm_replays_without_grad_run_the_program_alone(eager, case) -> None:
+    log, keys = eager
+    forward, make = _norm_calls()[case]
+    fn, x, extra = make()
+    with torch.no_grad():
+        full = fn(x, *extra)  # validates the no-grad call (a key of its own)
+        keys.clear()
+        log.clear()
+        out = fn(x, *extra)
+    outs = out if isinstance(out, tuple) else (out,)
+    assert all(t.grad_fn is None for t in outs) and keys == [forward]
+    replayed = log[:]
+    _program._PROGRAMS.clear()
+    log.clear()
+    with torch.no_grad():
+        fn(x, *extra)
+    assert [entry[:4] for entry in replayed] == [entry[:4] for entry in log]
+    full = full if isinstance(full, tuple) else (full,)
+    assert [(t.shape, t.stride()) for t in outs] == [(t.shape, t.stride()) for t in full]
+
+
+def test_a_normalized_shape_the_checks_reject_is_not_replayed(eager) -> None:
+    """The normalized shape is not in the kernels' key (only the row length is): a call whose
+    shape torch rejects gets torch's error even after a call with the same key was replayed."""
+    import cupynorm.torch as cnt
+
+    x = torch.rand(4, 2, 32)
+    for _ in range(3):
+        cnt.layer_norm(x, (2, 32))  # row length 64, no weight: validated, then replayed
+    with pytest.raises(RuntimeError) as ours:
+        cnt.layer_norm(x, (64,))
+    with pytest.raises(RuntimeError) as torchs:
+        torch.nn.functional.layer_norm(x, (64,))
+    assert str(ours.value) == str(torchs.value)
+
+
+def test_under_autocast_the_replay_asks_of_the_tensors_before_the_float32_copies(
+    eager, monkeypatch
+) -> None:
+    """Autocast runs layer_norm and group_norm on float32 copies, whose key is the same for any
+    input dtype: an input the checks reject before the copies (integers) is rejected after a
+    replayed call too (the dtypes are the replay's origin)."""
+    import cupynorm.torch as cnt
+
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    calls = [
+        lambda x: cnt.layer_norm(x, (32,), torch.rand(32)),
+        lambda x: cnt.group_norm(x.view(6, 32, 1), 4, torch.rand(32)),
+    ]
+    for call in calls:
+        for _ in range(3):  # validated, then replayed
+            assert call(torch.rand(6, 32, dtype=torch.bfloat16)).dtype == torch.float32
+        with pytest.raises(TypeError, match="expected input of dtype float16"):
+            call(torch.randint(0, 9, (6, 32)))
+
+
+def test_only_row_norm_calls_on_contiguous_rows_are_replayed(eager) -> None:
+    """A row norm's kernels take contiguous rows: a strided input, copied by the full path, is
+    never replayed; a contiguous one is from its second call."""
+    import cupynorm.torch as cnt
+
+    module = cnt.LayerNorm(32)
+    strided = torch.rand(6, 64)[:, ::2].requires_grad_()
+    assert [_node(module(strided)) for _ in range(3)] == ["_RowNormFunctionBackward"] * 3
+    x = torch.rand(6, 32).requires_grad_()
+    assert [_node(module(x)) for _ in range(2)] == [
+        "_RowNormFunctionBackward",
+        "_ReplayFunctionBackward",
+    ]

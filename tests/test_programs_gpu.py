@@ -124,8 +124,8 @@ def test_replayed_module_step_is_the_full_paths_bit_for_bit(form, dtype, layout,
     _program._PROGRAMS.clear()  # the first call below takes the full path
     first = _module_step(full, x, dy, residual)
     second = _module_step(replayed, x, dy, residual)
-    assert first[0] != "_BatchNormReplayFunctionBackward"
-    assert second[0] == "_BatchNormReplayFunctionBackward"
+    assert first[0] != "_ReplayFunctionBackward"
+    assert second[0] == "_ReplayFunctionBackward"
     assert torch.equal(first[1], second[1])
     assert first[1].stride() == second[1].stride()
     for a, b in zip(first[2] + first[3], second[2] + second[3], strict=True):
@@ -154,7 +154,7 @@ def test_replay_leaves_a_tensor_on_another_device_to_the_full_paths_error():
     x = torch.randn(2, 8, 5, 5, device="cuda", requires_grad=True)
     for _ in range(2):
         module(x).sum().backward()
-    assert type(module(x).grad_fn).__name__ == "_BatchNormReplayFunctionBackward"
+    assert type(module(x).grad_fn).__name__ == "_ReplayFunctionBackward"
     module.running_var = module.running_var.cpu()  # same dtype, shape, stride, alignment
     errors = []
     for clear in (False, True):
@@ -196,5 +196,125 @@ def test_replayed_step_with_frozen_parameters_and_a_retained_graph(training):
         (again,) = torch.autograd.grad(y, xg, dy)
         assert torch.equal(dx, again)
         grads.append((type(y.grad_fn).__name__, y, dx))
-    assert grads[1][0] == "_BatchNormReplayFunctionBackward" != grads[0][0]
+    assert grads[1][0] == "_ReplayFunctionBackward" != grads[0][0]
     assert torch.equal(grads[0][1], grads[1][1]) and torch.equal(grads[0][2], grads[1][2])
+
+
+def _norm_calls(dtype):
+    """name -> maker of (callable, input, extra tensor arguments) on the GPU: group and row
+    norm calls through the modules and the functional API, odd sizes, parameters in float32
+    (beside half inputs, as a model under autocast holds them) or the input's dtype."""
+    import cupynorm.torch as cnt
+
+    def rand(*shape, fmt=torch.contiguous_format):
+        return torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+
+    def params(module):
+        with torch.no_grad():
+            for p in module.parameters():
+                p.uniform_(0.5, 1.5)
+        return module.cuda()
+
+    def add(fn, *args):  # a functional row norm with a residual, its weight made once
+        weight = torch.rand(100, device="cuda", dtype=dtype) + 0.5
+        return lambda x, r: fn(x, r, 100, weight, *args)
+
+    cl = torch.channels_last
+    return {
+        "group_norm": lambda: (params(cnt.GroupNorm(4, 24)).to(dtype), rand(6, 24, 7, 9), []),
+        "group_norm-cl-fp32-params": lambda: (
+            params(cnt.GroupNorm(4, 24)),
+            rand(6, 24, 7, 9, fmt=cl),
+            [],
+        ),
+        "group_norm_act-shift": lambda: (
+            params(cnt.GroupNormAct(4, 24)).to(dtype),
+            rand(6, 24, 7, 9),
+            [rand(6, 24)],
+        ),
+        "group_norm_act-cl": lambda: (
+            params(cnt.GroupNormAct(8, 24, activation="relu")).to(dtype),
+            rand(6, 24, 7, 9, fmt=cl),
+            [],
+        ),
+        "layer_norm": lambda: (params(cnt.LayerNorm(100)).to(dtype), rand(6, 5, 100), []),
+        "layer_norm-2-dims-fp32-params": lambda: (
+            params(cnt.LayerNorm((5, 100))),
+            rand(6, 5, 100),
+            [],
+        ),
+        "layer_norm-long-rows": lambda: (params(cnt.LayerNorm(9000)).to(dtype), rand(3, 9000), []),
+        "rms_norm": lambda: (params(cnt.RMSNorm(100)).to(dtype), rand(6, 5, 100), []),
+        "llama_rms_norm": lambda: (params(cnt.LlamaRMSNorm(100)).to(dtype), rand(6, 5, 100), []),
+        "llama_rms_norm-fp32-weight": lambda: (
+            params(cnt.LlamaRMSNorm(100)),
+            rand(6, 5, 100),
+            [],
+        ),
+        "add_layer_norm": lambda: (
+            add(cnt.add_layer_norm, None),
+            rand(6, 5, 100),
+            [rand(6, 5, 100)],
+        ),
+        "add_rms_norm": lambda: (
+            add(cnt.add_rms_norm),
+            rand(6, 5, 100),
+            [rand(6, 5, 100)],
+        ),
+    }
+
+
+def _norm_step(fn, x, extra, dys):
+    """(node name, outputs, gradients of the inputs and parameters) of one forward + backward."""
+    inputs = [t.detach().requires_grad_() for t in (x, *extra)]
+    out = fn(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, dys[: len(outs)])
+    params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+    return _replayed(outs[0].grad_fn), outs, [t.grad for t in (*inputs, *params)]
+
+
+def _replayed(node, depth: int = 3) -> bool:
+    """Whether a replay Function made the output of ``node`` or of a node just before it
+    (a weight multiplied after the kernel, an autocast copy)."""
+    if node is None or depth == 0:
+        return False
+    if type(node).__name__ == "_ReplayFunctionBackward":
+        return True
+    return any(_replayed(n, depth - 1) for n, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["", "autocast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(_norm_calls(torch.float32)))
+def test_replayed_group_and_row_norm_steps_are_the_full_paths_bit_for_bit(case, dtype, autocast):
+    """As batch norm's: a group or row norm call replayed (cupynorm.torch._replay) gives the
+    full path's outputs and gradients bit for bit, with their strides and dtypes; so does the
+    no-grad call. Under autocast (half inputs only) the norms run on float32 copies."""
+    import copy
+
+    from cupynorm import _program
+
+    if autocast and dtype == torch.float32:
+        pytest.skip("autocast casts half inputs")
+    if autocast and "rms_norm" in case and "llama" not in case:
+        pytest.skip("rms_norm under autocast is torch's")
+    torch.manual_seed(0)
+    fn, x, extra = _norm_calls(dtype)[case]()
+    dys = [torch.randn_like(x), torch.randn_like(x)]
+    full, replayed = fn, copy.deepcopy(fn)
+    _program._PROGRAMS.clear()  # the first call below takes the full path
+    with torch.autocast("cuda", dtype, enabled=autocast):
+        first = _norm_step(full, x, extra, dys)
+        second = _norm_step(replayed, x, extra, dys)
+    assert not first[0] and second[0]
+    for a, b in zip((*first[1], *first[2]), (*second[1], *second[2]), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a, b)
+    _program._PROGRAMS.clear()
+    with torch.no_grad(), torch.autocast("cuda", dtype, enabled=autocast):
+        outputs = [replayed(x, *extra) for _ in range(2)]  # the full path, then the replay
+    for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in outputs), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()

@@ -724,7 +724,8 @@ def test_replace_norms_timm_norm_act_layers_on_cuda():
     xs = _inputs((4, 3, 11, 13), torch.float32)
     # SiLU of cupynorm's GroupNorm (on a copy: a training forward counts a batch)
     y = copy.deepcopy(model)(xs[0].clone().requires_grad_())
-    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_GroupNormFunctionBackward"
+    norm = type(y.grad_fn.next_functions[0][0]).__name__  # a replay once its key was checked
+    assert norm in ("_GroupNormFunctionBackward", "_ReplayFunctionBackward")
     _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
     _compare_state(model, ref, torch.float32, model=True)
 
@@ -745,7 +746,8 @@ def test_fuse_timm_batch_norm_act_on_cuda():
     model = cnt.fuse(copy.deepcopy(ref), report=report)
     assert report == ["1 + silu", "3 + relu"]
     y = copy.deepcopy(model)(_inputs((4, 3, 11, 13), torch.float32)[0].requires_grad_())
-    assert "BatchNorm" in type(y.grad_fn).__name__  # the act runs in the norm's node
+    # the act runs in the norm's node (a replay's once its key was checked)
+    assert type(y.grad_fn).__name__ in ("_BatchNormActFunctionBackward", "_ReplayFunctionBackward")
     xs = _inputs((4, 3, 11, 13), torch.float32)
     _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
     _compare_state(model, ref, torch.float32, model=True)

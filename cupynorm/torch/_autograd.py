@@ -129,6 +129,16 @@ def _keep_forward(ctx, program, saved: tuple) -> None:
     ctx.bound = None if program is None or _hooks_active() else (program, *saved)
 
 
+def _bound_forward(ctx, saved: tuple):
+    """The forward's program :func:`_keep_forward` kept, when ``saved`` (``ctx.saved_tensors``)
+    are the tensors it kept with it; else None. The kept references are dropped: a second
+    backward (retain_graph) takes the full path."""
+    kept, ctx.bound = ctx.bound, None
+    if kept is not None and all(a is b for a, b in zip(kept[1:], saved, strict=True)):
+        return kept[0]
+    return None
+
+
 def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
     x, y, _eps = inputs
     _out, mean, rstd = output
@@ -274,23 +284,20 @@ def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
     if dy is None:
         ctx.bound = None
         return (None,) * 11
-    dx, dweight, dbias, dres = _batch_norm_act_grads(ctx, dy, 8)
+    dx, dweight, dbias, dres = _batch_norm_act_grads(ctx, dy, 8, False)
     return dx, dweight, dbias, None, None, None, None, None, dres, None, None
 
 
-def _batch_norm_act_grads(ctx, dy, residual_at: int, dense: bool = False) -> tuple:
+def _batch_norm_act_grads(ctx, dy, residual_at: int = 3, dense: bool = True) -> tuple:
     """(dx, dweight, dbias, dresidual) from what :func:`_save_batch_norm_act` saved, bound to the
     forward's program (``ctx.bound``, dropped here) when the saved tensors are its own; the
     residual is input ``residual_at`` of the Function. ``dense``: the forward ran on the
-    arguments as given (a replay, cupynorm.torch._replay), so the bound call takes them as they
-    are, without the layers that make them dense and the gradients' layouts and dtypes match
-    (the host op returns them so for such inputs)."""
-    kept, ctx.bound = ctx.bound, None
+    arguments as given (a replay, cupynorm.torch._replay: the defaults are its), so the bound
+    call takes them as they are, without the layers that make them dense and the gradients'
+    layouts and dtypes match (the host op returns them so for such inputs)."""
     saved = ctx.saved_tensors
+    forward = _bound_forward(ctx, saved)
     x, weight, save_mean, save_rstd, residual, bias, relu_mask = saved
-    forward = None
-    if kept is not None and all(a is b for a, b in zip(kept[1:], saved, strict=True)):
-        forward = kept[0]
     needs = ctx.needs_input_grad
     mask = (needs[0], needs[1], needs[2], needs[residual_at])
     if dense and forward is not None:
@@ -442,26 +449,119 @@ class _BatchNormActFunction(_EagerFunction):
     backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))
 
 
-class _BatchNormReplayFunction(_EagerFunction):
-    """A replayed eager batch norm (+ residual + activation): ``forward(ctx, x, weight, bias,
-    residual, call)`` runs ``call``'s recorded program (:mod:`._replay`); y is its only output.
-    Saves what :class:`_BatchNormActFunction` saves, and binds the backward the same way."""
+# ---- replayed eager calls (cupynorm.torch._replay) --------------------------------------------
+# A family's ``save(ctx, call, x, a, b, c, outputs)`` saves what its full Function saves (for the
+# same backward), binds the backward to the forward's program (the replay's condition: no
+# saved-tensor hooks) and returns the Function's outputs; ``ctx.grads(ctx, *grad_outputs)``
+# gives the gradients of x, a, b, c. ``call.info``: the family's constants of the call.
+class _ReplayFunction(_EagerFunction):
+    """A replayed eager norm call: ``forward(ctx, x, a, b, c, call)`` runs ``call``'s recorded
+    program and hands its outputs to ``call.save``, its family's (:mod:`._replay`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, residual, call):
-        y, mean, rstd, *kept = call.program.run(call.bk, call.device, call.tensors, call.pointers)
-        relu_mask = kept[0] if kept else None
-        # fmt: off
-        saved = _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask,
-                                     call.training, call.act)
-        # fmt: on
-        ctx.bound = (call.program, *saved)  # the replay's condition: no saved-tensor hooks
-        return y
+    def forward(ctx, x, a, b, c, call):
+        outputs = call.program.run(call.bk, call.device, call.tensors, call.pointers)
+        return call.save(ctx, call, x, a, b, c, outputs)
 
     @staticmethod
     @_once_differentiable
-    def backward(ctx, dy):
-        return (*_batch_norm_act_grads(ctx, dy, 3, dense=True), None)
+    def backward(ctx, *grad_outputs):
+        return (*ctx.grads(ctx, *grad_outputs), None)
+
+
+def _batch_norm_replay_save(ctx, call, x, weight, bias, residual, outputs):
+    """Batch norm (+ residual + activation), ``call.info`` (training, act): y; saved as
+    :class:`_BatchNormActFunction` saves."""
+    y, mean, rstd, *kept = outputs
+    training, act = call.info
+    relu_mask = kept[0] if kept else None
+    # fmt: off
+    saved = _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask, training,
+                                 act)
+    # fmt: on
+    ctx.bound = (call.program, *saved)
+    ctx.grads = _batch_norm_act_grads
+    return y
+
+
+def _group_norm_replay_save(ctx, call, x, weight, bias, shift, outputs):
+    """Group norm, ``call.info`` (num_groups, act: None for plain group norm, else the fused
+    op's activation): y; saved as :class:`_GroupNormActFunction` saves."""
+    y, mean, rstd = outputs
+    ctx.num_groups, ctx.act = call.info
+    needs_bias = ctx.act is not None and ctx.act != "identity"
+    saved = (x, weight, bias if needs_bias else None, mean, rstd, shift)
+    ctx.save_for_backward(*saved)
+    ctx.bound = (call.program, *saved)
+    ctx.grads = _group_norm_replay_grads
+    return y
+
+
+def _group_norm_replay_grads(ctx, dy):
+    """(dx, dweight, dbias, dshift) of a replayed group norm: the backward op bound to the
+    forward's program (the full path's when the saved tensors are not the forward's own)."""
+    saved = ctx.saved_tensors
+    forward = _bound_forward(ctx, saved)
+    x, weight, bias, mean, rstd, shift = saved
+    needs = ctx.needs_input_grad
+    mask = (needs[0] or needs[3], needs[1], needs[2])  # the shift's gradient sums dx
+    if ctx.act is None:
+        args = (dy, x, mean, rstd, weight, ctx.num_groups, mask)
+        full, bound = _group_norm_bwd, "group_norm_bwd"
+    else:
+        args = (dy, x, mean, rstd, weight, bias, ctx.num_groups, mask, ctx.act, shift)
+        full, bound = _group_norm_act_bwd, "group_norm_act_bwd"
+    if forward is None:
+        dx, dweight, dbias = full(*args)
+    else:
+        dx, dweight, dbias = _program.call_bound(forward, getattr(_host(), bound), args)
+    dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
+    return (dx if needs[0] else None), dweight, dbias, dshift
+
+
+def _row_norm_replay_save(ctx, call, x, residual, weight, bias, outputs):
+    """Row norm (LayerNorm / RMSNorm, after a residual add when ``residual`` is given),
+    ``call.info`` (row length, cast, normalized shape): y, or (y, sum) with a residual; saved
+    as :class:`_RowNormFunction` saves."""
+    y, total, mean, rstd = outputs
+    saved = (x if residual is None else total, weight, mean, rstd)
+    ctx.save_for_backward(*saved)
+    ctx.row = call.info
+    ctx.bound = (call.program, *saved)
+    ctx.grads = _row_norm_replay_grads
+    if residual is None:
+        return y
+    ctx.set_materialize_grads(False)
+    return y, total
+
+
+def _row_norm_replay_grads(ctx, dy, dsum=None):
+    """(dx, dresidual, dweight, dbias) of a replayed row norm: the gradient of the normalized
+    rows (plus that of the sum) goes to x and the residual alike."""
+    saved = ctx.saved_tensors
+    forward = _bound_forward(ctx, saved)
+    needs = ctx.needs_input_grad
+    want_x = needs[0] or needs[1]
+    dx = dweight = dbias = None
+    if dy is not None:
+        normalized, weight, mean, rstd = saved
+        row_len, cast, dims = ctx.row
+        mask = (want_x, needs[2], needs[3])
+        dsum = dsum if want_x else None
+        if forward is None or dsum is not None:  # a bound call's tensors are the forward's
+            # fmt: off
+            dx, dweight, dbias = _row_norm_bwd(dy, dsum, normalized, mean, rstd, weight, len(dims),
+                                               mask, cast)
+            # fmt: on
+        else:
+            args = (dy, dsum, normalized, mean, rstd, weight, row_len, mask, cast)
+            dx, dweight, dbias = _program.call_bound(forward, _host().row_norm_bwd, args)
+            if len(dims) > 1:  # the host op's are (row_len,)
+                dweight = None if dweight is None else dweight.view(dims)
+                dbias = None if dbias is None else dbias.view(dims)
+    elif want_x:
+        dx = dsum
+    return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
 
 
 class _RowNormAddMulFunction(_EagerFunction):

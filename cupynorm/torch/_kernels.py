@@ -98,6 +98,14 @@ def _host():
 #     dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
 #     dweight[c] = sum_{n, spatial} dy * xhat,  dbias[c] = sum_{n, spatial} dy
 # ---------------------------------------------------------------------------------------------
+def _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, want_stats) -> tuple:
+    """(args, kwargs) of the host op group_norm_fwd: plain group norm (``act`` None) or the
+    fused op (its call key: cupynorm.torch._replay)."""
+    if act is None:
+        return (x, num_groups, weight, bias, eps), {"want_stats": want_stats}
+    return (x, num_groups, weight, bias, eps, shift), {"want_stats": want_stats, "act": act}
+
+
 def _group_norm_fwd_cuda(
     x: Tensor,
     num_groups: int,
@@ -109,9 +117,11 @@ def _group_norm_fwd_cuda(
     """(y, mean, rstd); without ``want_stats`` (no autograd) mean and rstd are None and the
     kernels skip them where they can."""
     x, fmt = _dense(x)
-    y, mean, rstd = _host().group_norm_fwd(
-        x, num_groups, _vec(weight), _vec(bias), eps, want_stats=want_stats
-    )
+    # fmt: off
+    args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, None,
+                                           None, want_stats)
+    # fmt: on
+    y, mean, rstd = _host().group_norm_fwd(*args, **kwargs)
     return y.contiguous(memory_format=fmt), mean, rstd
 
 
@@ -187,9 +197,10 @@ def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, 
     """(y, mean, rstd) of the fused op; without ``want_stats`` mean and rstd may be None."""
     x, fmt = _dense(x)
     # fmt: off
-    y, mean, rstd = _host().group_norm_fwd(x, num_groups, _vec(weight), _vec(bias), eps,
-                                           _vec(shift), want_stats=want_stats, act=act)
+    args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, act,
+                                           _vec(shift), want_stats)
     # fmt: on
+    y, mean, rstd = _host().group_norm_fwd(*args, **kwargs)
     return y.contiguous(memory_format=fmt), mean, rstd
 
 
@@ -547,21 +558,21 @@ def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.shape[: x.dim() - ndim]), tuple(x.shape[x.dim() - ndim :])
 
 
+def _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast, want_stats):
+    """(args, kwargs) of the host op row_norm_fwd (its call key: cupynorm.torch._replay)."""
+    kwargs = {"want_stats": want_stats, "cast": True} if cast else {"want_stats": want_stats}
+    return (x, residual, weight, bias, row_len, eps, rms), kwargs
+
+
 def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast=False, want_stats=True):
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     batch, row = _split(x, ndim)
-    y, total, mean, rstd = _host().row_norm_fwd(
-        x,
-        residual,
-        _vec(weight),
-        _vec(bias),
-        math.prod(row),
-        eps,
-        rms,
-        want_stats=want_stats,
-        **({"cast": True} if cast else {}),
-    )
+    # fmt: off
+    args, kwargs = _row_norm_fwd_op_args(x, residual, _vec(weight), _vec(bias), math.prod(row),
+                                         eps, rms, cast, want_stats)
+    # fmt: on
+    y, total, mean, rstd = _host().row_norm_fwd(*args, **kwargs)
     mean = None if mean is None else mean.reshape(batch)
     rstd = None if rstd is None else rstd.reshape(batch)
     return y, total, mean, rstd

@@ -1,4 +1,4 @@
-"""Eager batch norm calls replayed: the host path of a norm layer after its first call.
+"""Eager norm calls replayed: the host path of a norm layer after its first call.
 
 A training step calls each norm layer with the same shapes, strides, dtypes and arguments step
 after step. The full path of such a call -- torch's argument checks, the autograd Function, the
@@ -6,12 +6,18 @@ dense layouts, the recorded call's key and replay, the Function's saved tensors 
 layers -- costs ~55 us of Python per BatchNorm + ReLU layer (forward + backward) on the
 development CPU, ~3x that on the GPU machines' hosts, where torch's own layer takes ~126 us
 (benchmarks/NOTES.md). Everything the checks and the plan decide depends only on the kernel
-op's call key (shapes, strides, dtypes, 16-byte alignments, scalar arguments) and on the devices
-of the tensors. So a call whose key passed the full path once -- torch's checks, then a recorded
-program of the op with the arguments as given (dense, nothing copied) -- is replayed when it comes
-again with its tensors on the input's device: the key, one lookup, the program, and an
-``autograd.Function`` that keeps just what its backward needs (y is its only output; the backward
-is bound to the forward's program, :func:`cupynorm._program.call_bound`).
+op's call key (shapes, strides, dtypes, 16-byte alignments, scalar arguments), on the devices
+of the tensors and on an *origin*: what of the caller's arguments is not in the key (the
+normalized shape of a row norm; under autocast the dtypes the float32 copies were made from).
+So a call whose key and origin passed the full path once -- torch's checks, then a recorded
+program of the op with the arguments as given (dense, nothing copied) -- is replayed when it
+comes again with its tensors on the input's device: the key, one lookup, the program, and an
+``autograd.Function`` that keeps just what its backward needs (the backward is bound to the
+forward's program, :func:`cupynorm._program.call_bound`).
+
+Families: batch norm (plain and fused), group norm (plain and fused), row norms (LayerNorm,
+RMSNorm, their residual forms, Llama's RMSNorm). Their save and backward are in
+:mod:`._autograd` (``_<family>_replay_save``, ``_<family>_replay_grads``).
 
 Replayed: CUDA tensors, no tracing (``torch.compile``, tensor subclasses, dispatch modes), no
 functorch transform, and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
@@ -21,73 +27,138 @@ of a key, a call torch's checks reject, a layout that needs a copy -- takes the 
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from cupynorm import _program
 
-from ._autograd import _BatchNormReplayFunction, _hooks_active, _transforms_active
-from ._kernels import _batch_norm_fwd_op_args
-from ._reference import _layout
+from ._autograd import (
+    _batch_norm_replay_save,
+    _group_norm_replay_save,
+    _hooks_active,
+    _ReplayFunction,
+    _row_norm_replay_save,
+    _transforms_active,
+)
+from ._kernels import _batch_norm_fwd_op_args, _group_norm_fwd_op_args, _row_norm_fwd_op_args
 
 _unwrap = torch._C._functorch.unwrap_if_dead
 
+#: what :func:`validated` takes: (the call key, the origin), or None
+Token = tuple | None
+
 
 class _Replayed:
-    """A replayed forward: its program and what it was called with."""
+    """A replayed forward: its program, what it was called with, its family's save and
+    constants (``info``)."""
 
-    __slots__ = ("program", "bk", "device", "tensors", "pointers", "training", "act")
+    __slots__ = ("program", "bk", "device", "tensors", "pointers", "save", "info")
 
-    def __init__(self, program, bk, key, tensors, pointers, training, act) -> None:
-        self.program, self.bk, self.device = program, bk, key[2]
+    def __init__(self, program, bk, device, tensors, pointers, save, info) -> None:
+        self.program, self.bk, self.device = program, bk, device
         self.tensors, self.pointers = tensors, pointers
-        self.training, self.act = training, act
+        self.save, self.info = save, info
 
 
-def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-               act, batches_tracked, grad) -> tuple[Tensor | None, tuple | None]:  # fmt: skip
-    """``act(batch_norm(x) + residual)`` replayed: (y, None); or (None, the call key to hand
-    :func:`validated` once the full path ran it) or (None, None) when the call cannot be
-    replayed. The arguments are :func:`cupynorm.torch.functional._batch_norm_act`'s (act
-    "identity" and residual None: plain batch norm), on tensors the kernels take (CUDA), in a
-    call nothing traces (``functional._traced``); ``grad``: whether the call needs autograd
-    (``functional._wants_grad``)."""
+def _run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Token]:
+    """The host op call ``name(*args, **kwargs)`` replayed: (its outputs (no ``grad``) or the
+    replay Function's, None); or (None, the token to hand :func:`validated`) when its program
+    was not validated for ``origin``; or (None, None) when something besides the call decides
+    (a recording, a functorch transform, saved-tensor hooks when the call needs autograd) or a
+    tensor is on another device. ``tensors``: the Function's inputs (x, a, b, c)."""
     if _program._active.recording is not None or _transforms_active():
         return None, None
     if grad and _hooks_active():
         return None, None
+    bk, key, arrays, pointers = _program._call_key(name, args, kwargs)
+    program = _program._PROGRAMS.get(key)
+    if type(program) is not _program._Program or origin not in program.validated:
+        return None, (key, origin)
+    x = tensors[0]
+    device = x.get_device()
+    for t in arrays:
+        if t.get_device() != device:  # not in the key: the full path raises torch's error
+            return None, None
+    if not grad:
+        return program.run(bk, key[2], arrays, pointers), None
+    call = _Replayed(program, bk, key[2], arrays, pointers, save, info)
+    return _ReplayFunction.c_apply(*tensors, call), None
+
+
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
+               act, batches_tracked, grad) -> tuple[Tensor | None, Token]:  # fmt: skip
+    """``act(batch_norm(x) + residual)`` replayed: (y, None); or (None, a token for
+    :func:`validated`) or (None, None) when the call is not replayed. The arguments are
+    :func:`cupynorm.torch.functional._batch_norm_act`'s (act "identity" and residual None: plain
+    batch norm), on tensors the kernels take (CUDA), in a call nothing traces
+    (``functional._traced``); ``grad``: whether the call needs autograd
+    (``functional._wants_grad``)."""
     x = _unwrap(x)
     if residual is not None:
         residual = _unwrap(residual)
+    if grad:
+        weight = weight if weight is None else _unwrap(weight)
+        bias = bias if bias is None else _unwrap(bias)
     keep = grad and act == "relu" and residual is not None
     # fmt: off
     args = _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training,
                                    momentum, eps, residual, act, batches_tracked, keep)
+    y, token = _run("batch_norm_fwd", args, {}, None, grad, _batch_norm_replay_save,
+                    (training, act), (x, weight, bias, residual))
     # fmt: on
-    bk, key, tensors, pointers = _program._call_key("batch_norm_fwd", args, {})
-    program = _program._PROGRAMS.get(key)
-    if type(program) is not _program._Program or not program.validated:
-        return None, key
-    device = x.get_device()
-    for t in tensors:
-        if t.get_device() != device:  # not in the key: the full path raises torch's error
-            return None, None
-    if not grad:
-        return program.run(bk, key[2], tensors, pointers)[0], None
-    call = _Replayed(program, bk, key, tensors, pointers, training, act)
-    weight = weight if weight is None else _unwrap(weight)
-    bias = bias if bias is None else _unwrap(bias)
-    return _BatchNormReplayFunction.c_apply(x, weight, bias, residual, call), None
+    return (y[0] if y is not None and not grad else y), token
 
 
-def validated(key: tuple | None, x: Tensor, vectors: tuple) -> None:
-    """The full path ran the call of ``key`` (:func:`batch_norm`) to the end: replay its program
-    from now on, when the op was called with the arguments as given (x dense, the per-channel
-    ``vectors`` contiguous: nothing copied) and recorded it."""
-    if key is None:
+def group_norm(x, num_groups, weight, bias, eps, act, shift, origin,
+               grad) -> tuple[Tensor | None, Token]:  # fmt: skip
+    """Group norm (``act`` None) or ``act(group_norm(x + shift))`` replayed, as
+    :func:`batch_norm`: the arguments those of the kernels (float32 copies under autocast, the
+    ``origin`` saying of what)."""
+    x = _unwrap(x)
+    if grad:
+        weight, bias, shift = (t if t is None else _unwrap(t) for t in (weight, bias, shift))
+    args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad)
+    # fmt: off
+    y, token = _run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
+                    (num_groups, act), (x, weight, bias, shift))
+    # fmt: on
+    return (y[0] if y is not None and not grad else y), token
+
+
+def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin,
+             grad) -> tuple[Any, Token]:  # fmt: skip
+    """LayerNorm / RMSNorm over the trailing ``dims`` of x (after adding ``residual``) replayed,
+    as :func:`batch_norm`: y, or (y, sum) with a residual."""
+    x = _unwrap(x)
+    if grad:
+        residual, weight, bias = (t if t is None else _unwrap(t) for t in (residual, weight, bias))
+    elif residual is not None:
+        residual = _unwrap(residual)
+    row_len = dims[0] if len(dims) == 1 else math.prod(dims)
+    # fmt: off
+    args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
+                                         grad)
+    out, token = _run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
+                      (row_len, cast, dims), (x, residual, weight, bias))
+    # fmt: on
+    if out is None or grad:
+        return out, token
+    return (out[0] if residual is None else out[:2]), token
+
+
+def validated(token: Token, as_given: bool, vectors: tuple) -> None:
+    """The full path ran the call of ``token`` (:func:`batch_norm`, ...) to the end: replay its
+    program for that origin from now on, when the op was called with the arguments as given
+    (``as_given``: the input and any other full-size tensor taken without a copy; the
+    ``vectors`` contiguous) and recorded it."""
+    if token is None or not as_given:
         return
+    key, origin = token
     program = _program._PROGRAMS.get(key)
-    if type(program) is not _program._Program or _layout(x) is None:
+    if type(program) is not _program._Program:
         return
     if all(t is None or t.is_contiguous() for t in vectors):
-        program.validated = True
+        program.validated.add(origin)

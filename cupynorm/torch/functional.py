@@ -48,6 +48,8 @@ transforms (``torch.func.grad``/``vmap``: ops registered through ``torch.library
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -314,10 +316,54 @@ def group_norm(
     _checks.check_tensor("group_norm", "input", input)
     if not _use_kernels(input):
         return F.group_norm(input, num_groups, weight, bias, eps)
+    return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
+
+
+def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -> Tensor:
+    """The route of a group norm call on cupynorm's kernels, plain (``activation`` None) or
+    fused: a replay of the same call checked before (:mod:`._replay`), else the checks, then
+    the kernels, whose call may be replayed from then on. Under autocast the kernels take
+    float32 copies, as torch's autocast runs group_norm in float32."""
+    tensors = (input, weight, bias, shift)
+    autocast = torch.is_autocast_enabled()
+    replay = _replay_candidate(tensors)
+    token = None
+    if replay:
+        origin = None
+        if autocast:  # the checks' verdict is on the tensors before the copies
+            origin = tuple(None if t is None else t.dtype for t in tensors)
+            tensors = _float32(*tensors)
+        x, w, b, s = tensors
+        # fmt: off
+        y, token = _replay.group_norm(x, num_groups, w, b, eps, activation, s, origin,
+                                      _wants_grad(x, w, b, s))
+        # fmt: on
+        if y is not None:
+            return y
+    if activation is not None:
+        _checks.check_epilogue("group_norm_act", input, None, activation)
+        _checks.check_shift("group_norm_act", input, shift)
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
-    if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
-        input, weight, bias = _float32(input, weight, bias)
-    return _apply_group_norm(input, num_groups, weight, bias, eps)
+    if autocast and not replay:
+        tensors = _float32(*tensors)
+    x, w, b, s = tensors
+    if activation is None:
+        y = _apply_group_norm(x, num_groups, w, b, eps)
+    else:
+        y = _apply_group_norm_act(x, num_groups, w, b, eps, activation, s)
+    _replay.validated(token, _layout(x) is not None, (w, b, s))
+    return y
+
+
+def _replay_candidate(tensors: tuple) -> bool:
+    """Whether a call on cupynorm's kernels may be a replay: the input a plain tensor nothing
+    traces, the other arguments tensors or None (anything else gets the checks' error)."""
+    input = tensors[0]
+    return (
+        type(input) is Tensor
+        and not _traced(input)
+        and all(t is None or isinstance(t, Tensor) for t in tensors[1:])
+    )
 
 
 def group_norm_act(
@@ -362,16 +408,13 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
+    if _use_kernels(input):
+        return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)
-    if not _use_kernels(input):
-        if shift is not None:
-            input = input + shift.reshape(*shift.shape, *([1] * (input.dim() - 2)))
-        return ACTIVATIONS[activation](F.group_norm(input, num_groups, weight, bias, eps))
-    _checks.check_group_norm(input, num_groups, weight, bias, eps)
-    if torch.is_autocast_enabled():  # torch's autocast runs group_norm in float32
-        input, weight, bias, shift = _float32(input, weight, bias, shift)
-    return _apply_group_norm_act(input, num_groups, weight, bias, eps, activation, shift)
+    if shift is not None:
+        input = input + shift.reshape(*shift.shape, *([1] * (input.dim() - 2)))
+    return ACTIVATIONS[activation](F.group_norm(input, num_groups, weight, bias, eps))
 
 
 def instance_norm(
@@ -527,7 +570,7 @@ def _batch_norm_route(
         y = _apply_batch_norm_act(input, *vectors, training, momentum, eps, residual, activation,
                                   batches_tracked)
         # fmt: on
-    _replay.validated(key, input, vectors)
+    _replay.validated(key, _layout(input) is not None, vectors)
     return y
 
 
@@ -619,6 +662,51 @@ def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # LayerNorm and RMSNorm over the last dims, alone or after a residual add
 # ---------------------------------------------------------------------------------------------
+def _dims(normalized_shape: Any) -> tuple | None:
+    """``normalized_shape`` as a tuple when it is an int or a sequence (else the checks say
+    what torch says of it)."""
+    if type(normalized_shape) is int:
+        return (normalized_shape,)
+    if type(normalized_shape) in (tuple, list, torch.Size):
+        return tuple(normalized_shape)
+    return None
+
+
+def _row_norm_route(check, input, residual, dims, weight, bias, eps, rms, cast=False,
+                    to_float32=False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The route of a row norm call on cupynorm's kernels: a replay of the same call checked
+    before (:mod:`._replay`), else ``check()`` (the caller's checks, raising torch's errors;
+    it returns the normalized shape), then the kernels, whose call may be replayed from then on.
+    ``dims``: the normalized shape as a tuple, or None (no replay); ``eps`` None: RMSNorm's
+    default; ``to_float32``: the kernels take float32 copies (layer_norm under autocast).
+    Returns (y, the sum or None)."""
+    tensors = (input, residual, weight, bias)
+    replay = dims is not None and _replay_candidate(tensors)
+    token = None
+    if replay:
+        origin = dims
+        if to_float32:  # the checks' verdict is on the tensors before the copies
+            origin = (dims, *(None if t is None else t.dtype for t in tensors))
+            tensors = _float32(*tensors)
+        x, r, w, b = tensors
+        key_eps = _default_rms_eps(x) if eps is None and rms else eps
+        # fmt: off
+        out, token = _replay.row_norm(x, r, w, b, dims, key_eps, rms, cast, origin,
+                                      _wants_grad(x, w, b, r))
+        # fmt: on
+        if out is not None:
+            return (out, None) if r is None else out
+    dims = check()
+    if to_float32 and not replay:
+        tensors = _float32(*tensors)
+    x, r, w, b = tensors
+    if eps is None and rms:
+        eps = _default_rms_eps(x)
+    out = _apply_row_norm(x, r, w, b, len(dims), eps, rms, cast)
+    _replay.validated(token, x.is_contiguous() and (r is None or r.is_contiguous()), (w, b))
+    return out
+
+
 def layer_norm(
     input: Tensor,
     normalized_shape: int | list[int] | torch.Size,
@@ -660,12 +748,14 @@ def layer_norm(
     _checks.check_tensor("layer_norm", "input", input)
     if not _use_kernels(input):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
-    dims = _checks.check_row_norm(
-        "layer_norm", F.layer_norm, input, None, normalized_shape, weight, bias, eps
-    )
-    if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
-        input, weight, bias = _float32(input, weight, bias)
-    return _apply_row_norm(input, None, weight, bias, len(dims), eps, False)[0]
+    # fmt: off
+    return _row_norm_route(
+        lambda: _checks.check_row_norm("layer_norm", F.layer_norm, input, None, normalized_shape,
+                                       weight, bias, eps),
+        input, None, _dims(normalized_shape), weight, bias, eps, False,
+        to_float32=torch.is_autocast_enabled(),  # torch's autocast runs layer_norm in float32
+    )[0]
+    # fmt: on
 
 
 def rms_norm(
@@ -703,12 +793,13 @@ def rms_norm(
     _checks.check_tensor("rms_norm", "input", input)
     if not _use_kernels(input) or torch.is_autocast_enabled():
         return F.rms_norm(input, normalized_shape, weight, eps)
-    dims = _checks.check_row_norm(
-        "rms_norm", F.rms_norm, input, None, normalized_shape, weight, None, eps
-    )
-    if eps is None:
-        eps = _default_rms_eps(input)
-    return _apply_row_norm(input, None, weight, None, len(dims), eps, True)[0]
+    # fmt: off
+    return _row_norm_route(
+        lambda: _checks.check_row_norm("rms_norm", F.rms_norm, input, None, normalized_shape,
+                                       weight, None, eps),
+        input, None, _dims(normalized_shape), weight, None, eps, True,
+    )[0]
+    # fmt: on
 
 
 def add_layer_norm(
@@ -742,10 +833,13 @@ def add_layer_norm(
     if not _use_kernels(x) or torch.is_autocast_enabled():
         total = x + residual
         return layer_norm(total, normalized_shape, weight, bias, eps), total
-    dims = _checks.check_row_norm(
-        "add_layer_norm", F.layer_norm, x, residual, normalized_shape, weight, bias, eps
+    # fmt: off
+    return _row_norm_route(
+        lambda: _checks.check_row_norm("add_layer_norm", F.layer_norm, x, residual,
+                                       normalized_shape, weight, bias, eps),
+        x, residual, _dims(normalized_shape), weight, bias, eps, False,
     )
-    return _apply_row_norm(x, residual, weight, bias, len(dims), eps, False)
+    # fmt: on
 
 
 def add_rms_norm(
@@ -774,12 +868,13 @@ def add_rms_norm(
     if not _use_kernels(x) or torch.is_autocast_enabled():
         total = x + residual
         return rms_norm(total, normalized_shape, weight, eps), total
-    dims = _checks.check_row_norm(
-        "add_rms_norm", F.rms_norm, x, residual, normalized_shape, weight, None, eps
+    # fmt: off
+    return _row_norm_route(
+        lambda: _checks.check_row_norm("add_rms_norm", F.rms_norm, x, residual,
+                                       normalized_shape, weight, None, eps),
+        x, residual, _dims(normalized_shape), weight, None, eps, True,
     )
-    if eps is None:
-        eps = _default_rms_eps(x)
-    return _apply_row_norm(x, residual, weight, None, len(dims), eps, True)
+    # fmt: on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -941,6 +1036,7 @@ def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e
         )
     ):
         return _llama_rms_norm_torch(x, weight, eps)
+    eps, dims = float(eps), (x.shape[-1],)
     if weight is not None and weight.dtype != x.dtype:
-        return weight * _apply_row_norm(x, None, None, None, 1, float(eps), True, True)[0]
-    return _apply_row_norm(x, None, weight, None, 1, float(eps), True, True)[0]
+        return weight * _row_norm_route(lambda: dims, x, None, dims, None, None, eps, True, True)[0]
+    return _row_norm_route(lambda: dims, x, None, dims, weight, None, eps, True, True)[0]
