@@ -60,12 +60,12 @@ def ulps_apart(a, b):
     return (a64 - b64).abs() / ulp
 
 
-def reference(x, w, eps):
-    """Llama's formula in float64 but for the rounding of xhat to x's dtype (its gradient passed
-    unchanged): (y, xhat rounded)."""
+def reference(x, w, eps, dtype=None):
+    """Llama's formula in float64 but for the rounding of xhat to ``dtype`` (x's by default; its
+    gradient passed unchanged): (y, xhat rounded)."""
     x64 = x.double()
     xhat = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps)
-    rounded = xhat + (xhat.to(x.dtype).double() - xhat).detach()
+    rounded = xhat + (xhat.to(dtype or x.dtype).double() - xhat).detach()
     return (rounded if w is None else w.double() * rounded), rounded
 
 
@@ -148,7 +148,7 @@ def test_backward_matches_float64_and_transformers(dtype, rows_id):
     theirs = torch.autograd.grad(layer(x), (x, layer.weight), dy)
     x64 = x.detach().double().requires_grad_()
     w64 = layer.weight.detach().double().requires_grad_()
-    y64, _ = reference(x64, w64, 1e-5)
+    y64, _ = reference(x64, w64, 1e-5, x.dtype)  # xhat rounded as the layer rounds it
     expected = torch.autograd.grad(y64, (x64, w64), dy.double())
     for ours, hf, ref in zip(got, theirs, expected, strict=True):
         assert ours.dtype == hf.dtype and not torch.isnan(ours).any()
