@@ -3,10 +3,10 @@
 CPU tensors stand in for device arrays and a driver that does nothing stands in for CUDA (as in
 tests/test_programs_cpu.py), so a ``BatchNormAct2d`` (or another layer of ``_LAYERS``) forward
 + backward runs cupynorm's whole CUDA host code -- module, checks, autograd.Function, the
-recorded calls' replays, the launchers' argument packing -- with no kernels. Prints the time per step and a
-cProfile by own time: what is left of the step's host time once launches and allocations are
-cheap. The device's numbers (cuLaunchKernel ~4 us each, allocations ~3-4 us) come on top;
-scripts/profile_train_host.py measures those on a GPU.
+recorded calls' replays, the launchers' argument packing -- with no kernels. Prints the time
+per step and a cProfile by own time: what is left of the step's host time once launches and
+allocations are cheap. The device's numbers (cuLaunchKernel ~4 us each, allocations ~3-4 us)
+come on top; scripts/profile_train_host.py measures those on a GPU.
 
 ``--stack L`` runs L layers in a chain (one backward per step, as in a model) and reports the
 time per layer; ``--launches none`` replaces the launchers themselves by no-ops (the replay
