@@ -374,11 +374,11 @@ class _Bound:
         self.values = self.others(args)
 
     def run(self, op: Any, args: tuple) -> Any:
-        """``op(*args)`` for arguments with the bound values: replayed without a new key when
-        dy's layout and every alignment are the bound ones and the program is recorded, else
+        """``op(*args)`` for arguments with the bound values and dy's layout: replayed without
+        a new key when every alignment is the bound one and the program is recorded, else
         through ``op`` itself."""
         bk = self.bk
-        if self.key is None or bk.layout(args[0]) != self.layout:
+        if self.key is None:
             return op(*args)
         program = _PROGRAMS.get(self.key)
         if type(program) is not _Program or _active.recording is not None:
@@ -397,15 +397,21 @@ def call_bound(forward: _Program, op: Any, args: tuple) -> Any:
     """``op(*args)`` (a :func:`_programmed` op) as a call bound to the recorded call
     ``forward``: all its tensors but the first (dy) are ``forward``'s own inputs or outputs
     (the caller vouches for that, see above). A bound call is made on the first call with each
-    value of the other arguments and kept by ``forward``; it replays nothing when that call's
-    tensors were not all 16-byte aligned (each alignment is in the key: a bound call checks
-    them all at once, by one bitwise or)."""
+    value of the other arguments and each layout of dy, and kept by ``forward`` (whose layers
+    of one shape share it: in a chain of them the first backward, the last layer's, may get a
+    dy laid out otherwise, the loss's gradient); it replays nothing when that call's tensors
+    were not all 16-byte aligned (each alignment is in the key: a bound call checks them all at
+    once, by one bitwise or)."""
     bounds = forward.bound.get(op)
     if bounds is None:
         bounds = forward.bound[op] = []
+    layout = None
     for bound in bounds:  # usually one
         if bound.others(args) == bound.values:
-            return bound.run(op, args)
+            if layout is None:
+                layout = bound.bk.layout(args[0])
+            if layout == bound.layout:
+                return bound.run(op, args)
     bk, key, _tensors, pointers = _call_key(op.__name__, args, {})
     aligned = not functools.reduce(operator.or_, pointers, 0) % 16
     bound = _Bound(bk, key if aligned else None, args)

@@ -745,9 +745,11 @@ def test_backward_bound_at_forward_builds_no_key_and_launches_the_same(eager, ac
     assert any(key[0] == backward for key in _program._PROGRAMS)
 
 
-def test_bound_backward_takes_the_full_path_when_dy_is_laid_out_otherwise(eager) -> None:
-    """dy with other strides (a size-1 dimension's stride: still channels_last for torch) or
-    another alignment than the bound call's: its own key, its own program."""
+def test_bound_backward_binds_each_layout_of_dy_and_checks_alignments(eager) -> None:
+    """dy with other strides (a size-1 dimension's stride: still channels_last for torch) than
+    the bound call's: a bound call of its own, whose op copies dy to x's layout (never
+    recorded: the op's own key each time), and the first layout's bound call stays; dy of
+    another alignment: the op's own key."""
     import cupynorm.torch as cnt
 
     log, keys = eager
@@ -756,21 +758,51 @@ def test_bound_backward_takes_the_full_path_when_dy_is_laid_out_otherwise(eager)
     for _ in range(3):
         _step(module, _cl(*shape), _cl(*shape))
     programs = len(_program._PROGRAMS)
-    strided = torch.rand(80).as_strided((2, 8, 1, 5), (40, 1, 1, 8))  # H's stride 1, not 40
-    assert strided.is_contiguous(memory_format=torch.channels_last)
-    assert strided.stride() != _cl(*shape).stride()
+
+    def strided():
+        dy = torch.rand(80).as_strided((2, 8, 1, 5), (40, 1, 1, 8))  # H's stride 1, not 40
+        assert dy.is_contiguous(memory_format=torch.channels_last)
+        assert dy.stride() != _cl(*shape).stride()
+        return dy
+
     keys.clear()
-    _step(module, _cl(*shape), strided)
-    assert keys == ["batch_norm_fwd", "batch_norm_bwd"]  # the backward's own key
-    assert len(_program._PROGRAMS) == programs + 1  # recorded for dy's layout
-    offset = torch.rand(2 * 8 * 5 + 1)[1:].view(2, 5, 1, 8).permute(0, 3, 2, 1)  # 4-byte aligned
-    assert offset.is_contiguous(memory_format=torch.channels_last) and offset.data_ptr() % 16
+    _step(module, _cl(*shape), strided())
+    assert keys == ["batch_norm_fwd", "batch_norm_bwd", "batch_norm_bwd"]  # bound, the op
+    assert len(_program._PROGRAMS) == programs + 1  # the key of dy's layout: unrecordable
+    keys.clear()
+    _step(module, _cl(*shape), strided())
+    assert keys == ["batch_norm_fwd", "batch_norm_bwd"]
+    # the bound layout, 4-byte aligned
+    offset = torch.rand(2 * 8 * 5 + 1)[1:].as_strided(shape, _cl(*shape).stride())
+    assert offset.data_ptr() % 16
     keys.clear()
     _step(module, _cl(*shape), offset)
     assert keys == ["batch_norm_fwd", "batch_norm_bwd"]
     keys.clear()
-    _step(module, _cl(*shape), _cl(*shape))  # the bound call again
+    _step(module, _cl(*shape), _cl(*shape))  # the first bound call again
     assert keys == ["batch_norm_fwd"]
+
+
+def test_layers_sharing_a_program_bind_the_layouts_of_their_dy(eager) -> None:
+    """Layers of one shape share their forward's program (and its bound calls): in a chain the
+    first backward is the last layer's, whose dy (the loss's gradient) may be laid out
+    otherwise than the others'; the others still replay without a key."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    chain = torch.nn.Sequential(*(cnt.BatchNorm2d(8) for _ in range(3)))
+    shape = (2, 8, 3, 5)
+
+    def step():
+        x = _cl(*shape).requires_grad_()
+        chain(x).backward(torch.rand(shape))  # contiguous: not x's layout
+
+    for _ in range(3):
+        step()
+    keys.clear()
+    step()
+    # the last layer's backward: the op takes dy laid out otherwise (a copy: never recorded)
+    assert keys == ["batch_norm_fwd"] * 3 + ["batch_norm_bwd"]
 
 
 def test_bound_backward_does_not_outlive_a_cleared_cache(eager) -> None:
