@@ -507,14 +507,16 @@ def _group_norm_replay_grads(ctx, dy):
     mask = (needs[0] or needs[3], needs[1], needs[2])  # the shift's gradient sums dx
     if ctx.act is None:
         args = (dy, x, mean, rstd, weight, ctx.num_groups, mask)
-        full, bound = _group_norm_bwd, "group_norm_bwd"
+        full = _group_norm_bwd
     else:
         args = (dy, x, mean, rstd, weight, bias, ctx.num_groups, mask, ctx.act, shift)
-        full, bound = _group_norm_act_bwd, "group_norm_act_bwd"
+        full = _group_norm_act_bwd
     if forward is None:
         dx, dweight, dbias = full(*args)
     else:
-        dx, dweight, dbias = _program.call_bound(forward, getattr(_host(), bound), args)
+        host = _host()
+        op = host.group_norm_bwd if ctx.act is None else host.group_norm_act_bwd
+        dx, dweight, dbias = _program.call_bound(forward, op, args)
     dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
     return (dx if needs[0] else None), dweight, dbias, dshift
 

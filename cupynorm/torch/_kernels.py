@@ -116,13 +116,7 @@ def _group_norm_fwd_cuda(
 ):
     """(y, mean, rstd); without ``want_stats`` (no autograd) mean and rstd are None and the
     kernels skip them where they can."""
-    x, fmt = _dense(x)
-    # fmt: off
-    args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, None,
-                                           None, want_stats)
-    # fmt: on
-    y, mean, rstd = _host().group_norm_fwd(*args, **kwargs)
-    return y.contiguous(memory_format=fmt), mean, rstd
+    return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, want_stats)
 
 
 def _group_norm_bwd_cuda(
@@ -194,7 +188,8 @@ def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
 # sum in float32 inside the kernels, never stored) and dx is its gradient; the shift's own
 # gradient, dx summed over the spatial dims, is the autograd layer's (_autograd.py).
 def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, want_stats=True):
-    """(y, mean, rstd) of the fused op; without ``want_stats`` mean and rstd may be None."""
+    """(y, mean, rstd) of the fused op (``act`` None: plain group norm, the host op's plain
+    call); without ``want_stats`` mean and rstd may be None."""
     x, fmt = _dense(x)
     # fmt: off
     args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, act,

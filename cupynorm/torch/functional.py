@@ -255,6 +255,16 @@ def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
     return _channel_norm_output(x, weight, bias, eps, rms)
 
 
+def _kernel_tensors(tensors: tuple, origin: Any, to_float32: bool) -> tuple[tuple, Any]:
+    """(the tensors the kernels take, the replay's origin): under autocast (``to_float32``)
+    float32 copies, and the dtypes they were made from joined to ``origin`` (the checks'
+    verdict is on the tensors before the copies, whose key a call the checks reject may share:
+    an integer input's copy, a bf16 input's)."""
+    if not to_float32:
+        return tensors, origin
+    return _float32(*tensors), (origin, *(None if t is None else t.dtype for t in tensors))
+
+
 def _float32(*tensors: Tensor | None) -> tuple:
     """The tensors in float32 (None stays None): the CUDA autocast policy of torch's norms.
     A float32 tensor is itself, as ``.float()`` would return it, without the call (~0.4 us of
@@ -332,10 +342,7 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
     replay = _replay_candidate(tensors)
     token = None
     if replay:
-        origin = None
-        if autocast:  # the checks' verdict is on the tensors before the copies
-            origin = tuple(None if t is None else t.dtype for t in tensors)
-            tensors = _float32(*tensors)
+        tensors, origin = _kernel_tensors(tensors, None, autocast)
         x, w, b, s = tensors
         # fmt: off
         y, token = _replay.group_norm(x, num_groups, w, b, eps, activation, s, origin,
@@ -347,8 +354,8 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
         _checks.check_epilogue("group_norm_act", input, None, activation)
         _checks.check_shift("group_norm_act", input, shift)
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
-    if autocast and not replay:
-        tensors = _float32(*tensors)
+    if not replay:
+        tensors = _kernel_tensors(tensors, None, autocast)[0]
     x, w, b, s = tensors
     if activation is None:
         y = _apply_group_norm(x, num_groups, w, b, eps)
@@ -675,22 +682,19 @@ def _dims(normalized_shape: Any) -> tuple | None:
     return None
 
 
-def _row_norm_route(check, input, residual, dims, weight, bias, eps, rms, cast=False,
-                    to_float32=False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bias, eps, rms,
+                    cast=False, to_float32=False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The route of a row norm call on cupynorm's kernels: a replay of the same call checked
-    before (:mod:`._replay`), else ``check()`` (the caller's checks, raising torch's errors;
-    it returns the normalized shape), then the kernels, whose call may be replayed from then on.
-    ``dims``: the normalized shape as a tuple, or None (no replay); ``eps`` None: RMSNorm's
-    default; ``to_float32``: the kernels take float32 copies (layer_norm under autocast).
-    Returns (y, the sum or None)."""
+    before (:mod:`._replay`), else the checks of ``fn`` against ``torch_fn`` (None: the caller
+    checked; ``normalized_shape`` is then a tuple), then the kernels, whose call may be replayed
+    from then on. ``eps`` None: RMSNorm's default; ``to_float32``: the kernels take float32
+    copies (layer_norm under autocast). Returns (y, the sum or None)."""
     tensors = (input, residual, weight, bias)
+    dims = _dims(normalized_shape)
     replay = dims is not None and _replay_candidate(tensors)
     token = None
     if replay:
-        origin = dims
-        if to_float32:  # the checks' verdict is on the tensors before the copies
-            origin = (dims, *(None if t is None else t.dtype for t in tensors))
-            tensors = _float32(*tensors)
+        tensors, origin = _kernel_tensors(tensors, dims, to_float32)
         x, r, w, b = tensors
         key_eps = _default_rms_eps(x) if eps is None and rms else eps
         # fmt: off
@@ -699,9 +703,13 @@ def _row_norm_route(check, input, residual, dims, weight, bias, eps, rms, cast=F
         # fmt: on
         if out is not None:
             return (out, None) if r is None else out
-    dims = check()
-    if to_float32 and not replay:
-        tensors = _float32(*tensors)
+    if fn is not None:
+        # fmt: off
+        dims = _checks.check_row_norm(fn, torch_fn, input, residual, normalized_shape, weight,
+                                      bias, eps)
+        # fmt: on
+    if not replay:
+        tensors = _kernel_tensors(tensors, None, to_float32)[0]
     x, r, w, b = tensors
     if eps is None and rms:
         eps = _default_rms_eps(x)
@@ -752,12 +760,9 @@ def layer_norm(
     if not _use_kernels(input):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     # fmt: off
-    return _row_norm_route(
-        lambda: _checks.check_row_norm("layer_norm", F.layer_norm, input, None, normalized_shape,
-                                       weight, bias, eps),
-        input, None, _dims(normalized_shape), weight, bias, eps, False,
-        to_float32=torch.is_autocast_enabled(),  # torch's autocast runs layer_norm in float32
-    )[0]
+    return _row_norm_route("layer_norm", F.layer_norm, input, None, normalized_shape, weight,
+                           bias, eps, False,
+                           to_float32=torch.is_autocast_enabled())[0]  # as torch's autocast
     # fmt: on
 
 
@@ -797,11 +802,8 @@ def rms_norm(
     if not _use_kernels(input) or torch.is_autocast_enabled():
         return F.rms_norm(input, normalized_shape, weight, eps)
     # fmt: off
-    return _row_norm_route(
-        lambda: _checks.check_row_norm("rms_norm", F.rms_norm, input, None, normalized_shape,
-                                       weight, None, eps),
-        input, None, _dims(normalized_shape), weight, None, eps, True,
-    )[0]
+    return _row_norm_route("rms_norm", F.rms_norm, input, None, normalized_shape, weight, None,
+                           eps, True)[0]
     # fmt: on
 
 
@@ -837,11 +839,8 @@ def add_layer_norm(
         total = x + residual
         return layer_norm(total, normalized_shape, weight, bias, eps), total
     # fmt: off
-    return _row_norm_route(
-        lambda: _checks.check_row_norm("add_layer_norm", F.layer_norm, x, residual,
-                                       normalized_shape, weight, bias, eps),
-        x, residual, _dims(normalized_shape), weight, bias, eps, False,
-    )
+    return _row_norm_route("add_layer_norm", F.layer_norm, x, residual, normalized_shape, weight,
+                           bias, eps, False)
     # fmt: on
 
 
@@ -872,11 +871,8 @@ def add_rms_norm(
         total = x + residual
         return rms_norm(total, normalized_shape, weight, eps), total
     # fmt: off
-    return _row_norm_route(
-        lambda: _checks.check_row_norm("add_rms_norm", F.rms_norm, x, residual,
-                                       normalized_shape, weight, None, eps),
-        x, residual, _dims(normalized_shape), weight, None, eps, True,
-    )
+    return _row_norm_route("add_rms_norm", F.rms_norm, x, residual, normalized_shape, weight,
+                           None, eps, True)
     # fmt: on
 
 
@@ -1039,7 +1035,7 @@ def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e
         )
     ):
         return _llama_rms_norm_torch(x, weight, eps)
-    eps, dims = float(eps), (x.shape[-1],)
+    eps, dims = float(eps), (x.shape[-1],)  # checked above
     if weight is not None and weight.dtype != x.dtype:
-        return weight * _row_norm_route(lambda: dims, x, None, dims, None, None, eps, True, True)[0]
-    return _row_norm_route(lambda: dims, x, None, dims, weight, None, eps, True, True)[0]
+        return weight * _row_norm_route(None, None, x, None, dims, None, None, eps, True, True)[0]
+    return _row_norm_route(None, None, x, None, dims, weight, None, eps, True, True)[0]
