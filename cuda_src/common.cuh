@@ -5,7 +5,7 @@
 // That keeps the build independent of where (or whether) the CUDA toolkit headers live.
 //
 // Each module is compiled once per element type, chosen with -DSCALAR_T=<float|double|half_t|bf16_t>,
-// and weight/bias type -DPARAM_T (defaults to SCALAR_T).
+// weight/bias type -DPARAM_T and a row norm's output type -DOUT_T (both default to SCALAR_T).
 // Accumulation is in fp32 (fp64 for double inputs); statistics are stored in that type.
 #pragma once
 
@@ -24,9 +24,13 @@ template <> struct AccOf<double> { typedef double type; };
 #ifndef PARAM_T
 #define PARAM_T SCALAR_T
 #endif
+#ifndef OUT_T
+#define OUT_T SCALAR_T
+#endif
 
 typedef SCALAR_T scalar_t;  // input / output elements
 typedef PARAM_T param_t;    // weight and bias: the input's type or float (mixed precision)
+typedef OUT_T out_t;        // a row norm's y and dy: the input's type, or float (autocast)
 typedef AccOf<scalar_t>::type acc_t;
 
 // ---- conversions -------------------------------------------------------------------------------
@@ -72,6 +76,23 @@ __device__ __forceinline__ double sigmoid_acc(double t) { return 1.0 / (1.0 + ex
 constexpr int VEC = 16 / sizeof(scalar_t);
 
 template <int V> struct __align__(sizeof(scalar_t) * V) Pack { scalar_t v[V]; };
+
+// The out_t values of pack i of scalar_t elements (16 bytes, or 32 for float beside half x):
+// a row norm's y or dy beside its x. One or two 16-byte accesses.
+template <int V> struct __align__(16) OutPack { out_t v[V]; };
+static_assert(sizeof(out_t) >= sizeof(scalar_t), "OUT_T narrower than SCALAR_T");
+
+template <int V>
+__device__ __forceinline__ OutPack<V> load_out_pack(const out_t* __restrict__ p, int64 i) {
+    static_assert(V * sizeof(scalar_t) == 16, "an out pack spans a whole pack of x");
+    return reinterpret_cast<const OutPack<V>*>(p)[i];
+}
+template <int V>
+__device__ __forceinline__ void store_out_pack(out_t* __restrict__ p, int64 i,
+                                               const OutPack<V>& v) {
+    static_assert(V * sizeof(scalar_t) == 16, "an out pack spans a whole pack of x");
+    reinterpret_cast<OutPack<V>*>(p)[i] = v;
+}
 
 template <int V>
 __device__ __forceinline__ Pack<V> load_pack(const scalar_t* __restrict__ p, int64 i) {

@@ -5,6 +5,10 @@
 //   longer rows (129 to 1024 packs), the backward in one pass, a CTA per row. Their forward stays
 //     on segment_norm.cu (two register-held forwards measured slower than its shared-memory one,
 //     below), as do rows that are not whole packs and rows longer than a CTA's registers.
+// The module variant with OUT_T = float beside SCALAR_T = half_t / bf16_t is LayerNorm under
+// autocast (torch's policy: the norm in float32, y float32): short rows read x in its own type,
+// write y (and read dy) in float and write dx in x's type, where a float32 copy of x each way
+// moved 2.3x the bytes (NOTES.md); other rows take the copies at the end of this file.
 //
 // A row of L = row_len elements shares one (mean, rstd); weight and bias are indexed by the
 // position i in the row (formulas in segment_norm.cu's row-norm section):
@@ -57,15 +61,16 @@ __device__ __forceinline__ void block_sum2(acc_t& a, acc_t& b, acc_t* scratch) {
     b = scratch[65];
 }
 
-// Packs first, first + step, ... (at most PACKS, those < packs) of row `row`.
-template <int PACKS>
-__device__ __forceinline__ void load_row(Pack<VEC> (&v)[PACKS], const scalar_t* __restrict__ src,
-                                         int64 row, int row_len, int packs, int first, int step) {
-    const scalar_t* base = src + row * row_len;
+// Packs first, first + step, ... (at most PACKS, those < packs) of row `row`: of x (P a Pack of
+// scalar_t) or of dy (an OutPack of out_t).
+template <int PACKS, typename P, typename T>
+__device__ __forceinline__ void load_row(P (&v)[PACKS], const T* __restrict__ src, int64 row,
+                                         int row_len, int packs, int first, int step) {
+    const P* base = reinterpret_cast<const P*>(src + row * row_len);
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
         const int p = first + k * step;
-        if (p < packs) v[k] = load_pack<VEC>(base, p);
+        if (p < packs) v[k] = base[p];
     }
 }
 
@@ -73,7 +78,7 @@ __device__ __forceinline__ void load_row(Pack<VEC> (&v)[PACKS], const scalar_t* 
 // db, and dx (plus the incoming gradient of the sum when dsum is set) stored when dx is set.
 // g: weight * dy of the pack; mean_g, mean_gx: <g>, <g xhat> over the row.
 template <int V, bool CAST>
-__device__ __forceinline__ void row_bwd_pack(const Pack<V>& xv, const Pack<V>& dv,
+__device__ __forceinline__ void row_bwd_pack(const Pack<V>& xv, const OutPack<V>& dv,
                                              const acc_t (&g)[V], acc_t m, acc_t rs,
                                              acc_t mean_g, acc_t mean_gx,
                                              const scalar_t* __restrict__ dsum,
@@ -99,7 +104,7 @@ __device__ __forceinline__ void row_bwd_pack(const Pack<V>& xv, const Pack<V>& d
 // dbias_part: gridDim.x partial rows of row_len, or null.
 template <int PACKS, bool CAST>
 __device__ __forceinline__ void row_bwd(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy,
     const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
     const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx,
     acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int row_len) {
@@ -107,7 +112,8 @@ __device__ __forceinline__ void row_bwd(
     __shared__ acc_t scratch[66];
     const int packs = row_len / V;
     const acc_t L = acc_t(row_len);
-    Pack<V> xc[PACKS], dc[PACKS];
+    Pack<V> xc[PACKS];
+    OutPack<V> dc[PACKS];
     acc_t dw[PACKS][V], db[PACKS][V];
 #pragma unroll
     for (int k = 0; k < PACKS; ++k)
@@ -118,7 +124,8 @@ __device__ __forceinline__ void row_bwd(
     load_row<PACKS>(dc, dy, row, row_len, packs, threadIdx.x, blockDim.x);
     for (; row < rows; row += gridDim.x) {
         const int64 next = row + gridDim.x, base = row * row_len;
-        Pack<V> xn[PACKS], dn[PACKS];
+        Pack<V> xn[PACKS];
+        OutPack<V> dn[PACKS];
         if (next < rows) {  // in flight during this row's reduction
             load_row<PACKS>(xn, x, next, row_len, packs, threadIdx.x, blockDim.x);
             load_row<PACKS>(dn, dy, next, row_len, packs, threadIdx.x, blockDim.x);
@@ -169,7 +176,7 @@ __device__ __forceinline__ void row_bwd(
 
 #define ROW_BWD_ENTRY(NAME, PACKS, CAST)                                                       \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                      \
+        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                         \
         const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
         scalar_t* __restrict__ dx, acc_t* __restrict__ dweight_part,                          \
@@ -210,7 +217,7 @@ __device__ __forceinline__ acc_t group_sum(acc_t v) {
 template <int LANES, bool RMS, bool CAST>
 __device__ __forceinline__ void row_fwd_short(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
+    scalar_t* __restrict__ sum_out, out_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
     int64 rows, int row_len, acc_t eps) {
     constexpr int V = VEC;
@@ -273,20 +280,20 @@ __device__ __forceinline__ void row_fwd_short(
         if (p >= packs) continue;
         acc_t w[V], b[V];
         load_row_params<V>(weight, p * V, acc_t(1), w);
-        Pack<V> out;
+        OutPack<V> out;
         if (CAST) {
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd));
-                out.v[j] = from_acc<scalar_t>(w[j] * xhat);
+                out.v[j] = from_acc<out_t>(w[j] * xhat);
             }
         } else {
             load_row_params<V>(bias, p * V, acc_t(0), b);
 #pragma unroll
             for (int j = 0; j < V; ++j)
-                out.v[j] = from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
+                out.v[j] = from_acc<out_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
         }
-        store_pack<V>(y + base, p, out);
+        store_out_pack<V>(y + base, p, out);
     }
 }
 
@@ -295,7 +302,7 @@ __device__ __forceinline__ void row_fwd_short(
 #define ROW_FWD_SHORT_ENTRY(NAME, LANES, RMS, CAST)                                              \
     extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 4) NAME(                       \
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                 \
-        scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y,                              \
+        scalar_t* __restrict__ sum_out, out_t* __restrict__ y,                                 \
         const param_t* __restrict__ weight, const param_t* __restrict__ bias,                  \
         acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len,           \
         acc_t eps) {                                                                           \
@@ -319,11 +326,14 @@ ROW_FWD_SHORT_ALL(32)
 // row_norm_bwd_params: fixed orders for a given grid, bitwise reproducible.
 template <int LANES, bool CAST>
 __device__ __forceinline__ void row_bwd_short(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy,
     const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,
     const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd, scalar_t* __restrict__ dx,
     acc_t* __restrict__ dweight_part, acc_t* __restrict__ dbias_part, int64 rows, int row_len) {
     constexpr int V = VEC, GROUPS = SHORT_THREADS / LANES, MAX_LEN = SHORT_PACKS * LANES * V;
+    // dy held in registers between the two passes over the row; a float dy beside half x is
+    // read again instead (from L1: this thread just read it): held, it spilled 88 bytes a thread
+    constexpr bool HOLD_DY = sizeof(out_t) == sizeof(scalar_t);
     __shared__ acc_t red[2][MAX_LEN];
     const int lane = threadIdx.x % LANES;
     const int packs = row_len / V;
@@ -338,13 +348,14 @@ __device__ __forceinline__ void row_bwd_short(
         const int64 row = first + threadIdx.x / LANES;
         const bool live = row < rows;
         const int64 base = live ? row * row_len : 0;
-        Pack<V> xc[SHORT_PACKS], dc[SHORT_PACKS];
+        Pack<V> xc[SHORT_PACKS];
+        OutPack<V> dc[SHORT_PACKS];
 #pragma unroll
         for (int k = 0; k < SHORT_PACKS; ++k) {
             const int p = lane + k * LANES;
             if (live && p < packs) {
                 xc[k] = load_pack<V>(x + base, p);
-                dc[k] = load_pack<V>(dy + base, p);
+                if (HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
             }
         }
         const acc_t m = live && mean != nullptr ? mean[row] : acc_t(0);
@@ -356,6 +367,7 @@ __device__ __forceinline__ void row_bwd_short(
             if (!live || p >= packs) continue;
             acc_t w[V];
             load_row_params<V>(weight, p * V, acc_t(1), w);
+            if (!HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t g = w[j] * to_acc(dc[k].v[j]);
@@ -373,6 +385,7 @@ __device__ __forceinline__ void row_bwd_short(
             if (p >= packs) continue;
             acc_t g[V];  // recomputed: keeping it beside the dweight / dbias sums costs registers
             load_row_params<V>(weight, p * V, acc_t(1), g);
+            if (!HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
 #pragma unroll
             for (int j = 0; j < V; ++j) g[j] *= to_acc(dc[k].v[j]);
             row_bwd_pack<V, CAST>(xc[k], dc[k], g, m, rs, mean_g, mean_gx, dsum, dx, base, p,
@@ -419,7 +432,7 @@ __device__ __forceinline__ void row_bwd_short(
 // registers), left too few loads in flight (rows of 96 bf16, forward + backward 0.510 -> 0.419 ms).
 #define ROW_BWD_SHORT_ENTRY(NAME, LANES, CAST)                                                 \
     extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 2) NAME(                      \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                      \
+        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                         \
         const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
         scalar_t* __restrict__ dx, acc_t* __restrict__ dweight_part,                          \
@@ -476,4 +489,22 @@ extern "C" __global__ void row_norm_bwd_params(const acc_t* __restrict__ dweight
     }
     if (dweight_part != nullptr) store_grad(dweight, i, sw, as_param);
     if (dbias_part != nullptr) store_grad(dbias, i, sb, as_param);
+}
+
+// ---- autocast's copies, for rows the short-row kernels do not take ---------------------------
+// A call whose y (and dy) are out_t beside x in scalar_t (autocast: float beside half) runs the
+// short-row kernels above in one pass; other rows run the float path on a float copy of x
+// (row_norm_to_out), the backward's dx coming back through row_norm_from_out. Grid-stride.
+extern "C" __global__ void row_norm_to_out(const scalar_t* __restrict__ src,
+                                           out_t* __restrict__ dst, int64 n) {
+    const int64 step = static_cast<int64>(gridDim.x) * blockDim.x;
+    for (int64 i = blockIdx.x * static_cast<int64>(blockDim.x) + threadIdx.x; i < n; i += step)
+        dst[i] = from_acc<out_t>(to_acc(src[i]));
+}
+
+extern "C" __global__ void row_norm_from_out(const out_t* __restrict__ src,
+                                             scalar_t* __restrict__ dst, int64 n) {
+    const int64 step = static_cast<int64>(gridDim.x) * blockDim.x;
+    for (int64 i = blockIdx.x * static_cast<int64>(blockDim.x) + threadIdx.x; i < n; i += step)
+        dst[i] = from_acc<scalar_t>(to_acc(src[i]));
 }

@@ -1,7 +1,8 @@
 """Finding, hashing and compiling the CUDA sources (NVRTC through ``cupy.RawModule``).
 
-A module is one ``.cu`` file compiled for one element type (``-DSCALAR_T``) and one weight/bias
-type (``-DPARAM_T``): only the variants a call needs are ever compiled. Compiled
+A module is one ``.cu`` file compiled for one element type (``-DSCALAR_T``), one weight/bias
+type (``-DPARAM_T``) and one output type of the row norms (``-DOUT_T``: float32 beside a
+half-precision input under autocast): only the variants a call needs are ever compiled. Compiled
 modules and their functions are cached per device. CuPy's on-disk cache keys on the main source
 text and the options only, so a hash of *every* file in ``cuda_src`` goes into the options: a
 changed header recompiles instead of loading a stale binary.
@@ -66,16 +67,20 @@ def source_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def compile_options(dtype: str, param_dtype: str | None = None) -> tuple[str, ...]:
+def compile_options(
+    dtype: str, param_dtype: str | None = None, out_dtype: str | None = None
+) -> tuple[str, ...]:
     """NVRTC options for one module variant (CuPy adds ``-arch`` itself).
 
-    ``param_dtype`` is the weight/bias element type when it differs from the input's.
+    ``param_dtype`` is the weight/bias element type and ``out_dtype`` a row norm's output (and
+    output gradient) type, each when it differs from the input's.
     """
     return (
         "--std=c++17",
         f"-I{source_dir()}",
         f"-DSCALAR_T={CTYPES[dtype]}",
         f"-DPARAM_T={CTYPES[param_dtype or dtype]}",
+        f"-DOUT_T={CTYPES[out_dtype or dtype]}",
         f"-DCUPYNORM_SOURCE_HASH=0x{source_hash()}",
     )
 
@@ -85,10 +90,12 @@ def read_source(name: str) -> str:
 
 
 @functools.cache
-def _module(device_id: int, name: str, dtype: str, param_dtype: str | None) -> Any:
+def _module(
+    device_id: int, name: str, dtype: str, param_dtype: str | None, out_dtype: str | None
+) -> Any:
     import cupy
 
-    options = compile_options(dtype, param_dtype)
+    options = compile_options(dtype, param_dtype, out_dtype)
     with cupy.cuda.Device(device_id):
         return cupy.RawModule(code=read_source(name), options=options, backend="nvrtc")
 
@@ -109,6 +116,7 @@ def get_kernel(
     kernel: str,
     dtype: str,
     param_dtype: str | None = None,
+    out_dtype: str | None = None,
 ) -> Any:
     """The compiled function ``kernel`` of source ``name`` on one device, cached per variant.
 
@@ -119,7 +127,7 @@ def get_kernel(
     from cupy.cuda import driver
 
     with cupy.cuda.Device(device_id):
-        module = _module(device_id, name, dtype, param_dtype)
+        module = _module(device_id, name, dtype, param_dtype, out_dtype)
         function = module.get_function(kernel).kernel
         optin = cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
         static = driver.funcGetAttribute(_SHARED_SIZE_BYTES, function.ptr)
@@ -262,22 +270,33 @@ def _runtime() -> Any:
 
 @functools.cache
 def launcher(
-    device_id: int, name: str, kernel: str, dtype: str, param_dtype: str | None, codes: str
+    device_id: int,
+    name: str,
+    kernel: str,
+    dtype: str,
+    param_dtype: str | None,
+    out_dtype: str | None,
+    codes: str,
 ) -> Launcher:
     """The Launcher of one kernel variant for arguments of type ``codes``, cached (``name``
     MEMSET: the memory-zeroing launch)."""
     if name == MEMSET:
         return Memset()
-    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype, out_dtype)
     return Launcher(function, device_id, codes, cooperative=name == COOPERATIVE_SOURCE)
 
 
 @functools.cache
 def max_block_threads(
-    device_id: int, name: str, kernel: str, dtype: str, param_dtype: str | None
+    device_id: int,
+    name: str,
+    kernel: str,
+    dtype: str,
+    param_dtype: str | None,
+    out_dtype: str | None = None,
 ) -> int:
     """The most threads a block of this kernel variant may have (its registers decide)."""
-    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype, out_dtype)
     return _driver().funcGetAttribute(_MAX_THREADS_PER_BLOCK, function.ptr)
 
 
@@ -290,10 +309,11 @@ def resident_ctas(
     param_dtype: str | None,
     threads: int,
     smem: int,
+    out_dtype: str | None = None,
 ) -> int:
     """How many CTAs of ``threads`` threads and ``smem`` bytes of dynamic shared memory of one
     kernel variant an SM holds at once (registers, shared memory and thread limits)."""
-    function = get_kernel(device_id, name, kernel, dtype, param_dtype)
+    function = get_kernel(device_id, name, kernel, dtype, param_dtype, out_dtype)
     return max(1, _driver().occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, smem))
 
 

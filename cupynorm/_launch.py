@@ -44,6 +44,7 @@ class _Call:
         "stream",
         "dtype",
         "param_dtype",
+        "out_dtype",
         "acc",
         "itemsize",
         "vec",
@@ -62,6 +63,8 @@ class _Call:
         # weight/bias in float32 beside a half-precision input: a module variant of its own
         param = bk.dtype_name(weight) if weight is not None else None
         self.param_dtype = param if param not in (None, self.dtype) else None
+        # a row norm's y / dy in float32 beside a half-precision x (autocast): set by the op
+        self.out_dtype: str | None = None
         self.itemsize = _ITEMSIZE[self.dtype]
         self.vec = _plan.vec_width(self.itemsize)
         self.info = _plan.device_info(self.device)
@@ -85,9 +88,10 @@ class _Call:
         smem: int = 0,
     ) -> None:
         """Launch with numpy-scalar arguments (np.uint64 for pointers); recorded when recording."""
-        launcher = _compile.launcher(
-            self.device, source, kernel, self.dtype, self.param_dtype, _compile.argument_codes(args)
-        )
+        # fmt: off
+        launcher = _compile.launcher(self.device, source, kernel, self.dtype, self.param_dtype,
+                                     self.out_dtype, _compile.argument_codes(args))
+        # fmt: on
         if self.recording is not None:
             self.recording.step(launcher, grid, block, smem, args)
         with _compile.current_device(self.device):
@@ -102,7 +106,10 @@ class _Call:
 
     def threads(self, source: str, kernel: str, wanted: int) -> int:
         """``wanted`` threads for a 1-D block-strided kernel, within what its registers allow."""
-        most = _compile.max_block_threads(self.device, source, kernel, self.dtype, self.param_dtype)
+        # fmt: off
+        most = _compile.max_block_threads(self.device, source, kernel, self.dtype,
+                                          self.param_dtype, self.out_dtype)
+        # fmt: on
         return min(wanted, most // 32 * 32)
 
     def mutates_inputs(self) -> None:
@@ -125,7 +132,7 @@ def _resident_grid(call: _Call, source: str, kernel: str, threads: int, work: in
     """A grid of at most the CTAs of ``threads`` threads the GPU holds at once, and at most
     ``work`` (for kernels that walk their work grid-stride)."""
     per_sm = _compile.resident_ctas(
-        call.device, source, kernel, call.dtype, call.param_dtype, threads, 0
+        call.device, source, kernel, call.dtype, call.param_dtype, threads, 0, call.out_dtype
     )
     return max(1, min(work, per_sm * call.info.sm_count))
 

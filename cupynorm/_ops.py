@@ -505,6 +505,7 @@ def row_norm_fwd(
     *,
     want_stats: bool = True,
     cast: bool = False,
+    out_dtype: str | None = None,
 ) -> tuple:
     """(y, sum, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over rows of ``row_len``.
 
@@ -514,15 +515,57 @@ def row_norm_fwd(
     dtype; mean is None for RMSNorm, both None without ``want_stats`` (inference).
     ``cast`` (RMSNorm without bias): Hugging Face's LlamaRMSNorm numerics, the normalized value
     rounded to x's dtype before the weight multiplies it (the ROW_CAST epilogue).
+    ``out_dtype`` ("float32" beside a float16 / bfloat16 x, no residual): y in that dtype, the
+    norm of x's values as a float32 copy of x would give it (LayerNorm under autocast), in one
+    pass over rows the short-row kernels take, on a copy otherwise. row_norm_bwd then takes dy
+    in that dtype and gives dx in x's.
     """
     call = _Call(x, weight if weight is not None else bias)
+    x = call.bk.contiguous(x)
+    if out_dtype is not None and out_dtype != call.dtype:
+        if residual is not None or _ITEMSIZE[out_dtype] < call.itemsize:
+            raise ValueError("row_norm_fwd: out_dtype is wider than x's, with no residual")
+        call.out_dtype = out_dtype
+        if _plan.plan_short_rows(row_len, call.itemsize, call.aligned(x)) is None:
+            x = _converted(call, x, out_dtype)  # the float32 path on a copy of x
+            call = _Call(x, weight if weight is not None else bias)
+    return _row_norm_fwd(call, x, residual, weight, bias, row_len, eps, rms, want_stats, cast)
+
+
+def _converted(call: _Call, src: Any, dtype: str, into: Any = None) -> Any:
+    """``src`` converted to ``dtype`` (into ``into`` when given): call.out_dtype from call.dtype
+    (row_norm_to_out) or back (row_norm_from_out)."""
+    out = call.bk.empty(tuple(src.shape), dtype, src) if into is None else into
+    n = _plan.prod(tuple(src.shape))
+    if n:
+        kernel = "row_norm_to_out" if dtype == call.out_dtype else "row_norm_from_out"
+        grid = min(-(-n // 256), 8 * call.info.sm_count)
+        call.launch(_ROWS, kernel, grid, (256,), (call.ptr(src), call.ptr(out), np.int64(n)))
+    return out
+
+
+def _row_norm_fwd(
+    call: _Call,
+    x: Any,
+    residual: Any,
+    weight: Any,
+    bias: Any,
+    row_len: int,
+    eps: float,
+    rms: bool,
+    want_stats: bool,
+    cast: bool,
+) -> tuple:
+    """row_norm_fwd on contiguous x, whose ``call`` sets the output dtype."""
     bk = call.bk
-    x = bk.contiguous(x)
     if residual is not None:
         residual = bk.contiguous(residual)
     D = row_len
     rows = _plan.prod(tuple(x.shape)) // D if D else 0
-    y = bk.empty_strided_like(x)
+    if call.out_dtype is None:
+        y = bk.empty_strided_like(x)
+    else:
+        y = bk.empty(tuple(x.shape), call.out_dtype, x)
     total = bk.empty_strided_like(x) if residual is not None else None
     need_mean = want_stats and not rms
     mean = call.stats((rows,), x) if need_mean else None
@@ -544,6 +587,7 @@ def row_norm_fwd(
             _scalar(call.acc, eps)))
         # fmt: on
         return y, total, mean, rstd
+    assert call.out_dtype is None, "row_norm_fwd planned a mixed output off the short rows"
     kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
     if cast:
         kernel = "segment_norm_fwd_rms_cast"
@@ -601,11 +645,43 @@ def row_norm_bwd(
 
     x: the normalized input (the sum s with a residual); dsum: the incoming gradient of s, added
     to dx, or None. dx is then the gradient of both x and residual. dweight and dbias come in the
-    weight's dtype (the accumulator's when weight is None).
+    weight's dtype (the accumulator's when weight is None). dy in float32 beside a half-precision
+    x: of the forward with that ``out_dtype``, dx in x's dtype.
     """
     call = _Call(x, weight)
     bk = call.bk
     x, dy = bk.contiguous(x), bk.contiguous(dy)
+    args = (row_len, needs_input_grad, cast)
+    out_dtype = bk.dtype_name(dy)
+    if out_dtype == call.dtype:
+        return _row_norm_bwd(call, dy, dsum, x, mean, rstd, weight, *args)
+    if dsum is not None:
+        raise ValueError("row_norm_bwd: a float32 dy takes no dsum")
+    call.out_dtype = out_dtype
+    if _plan.plan_short_rows(row_len, call.itemsize, call.aligned(x, dy)) is not None:
+        return _row_norm_bwd(call, dy, dsum, x, mean, rstd, weight, *args)
+    # the float32 path on a copy of x, dx converted back
+    x_out = _converted(call, x, out_dtype)
+    dx_out, dweight, dbias = _row_norm_bwd(_Call(x_out, weight), dy, dsum, x_out, mean, rstd,
+                                           weight, *args)  # fmt: skip
+    dx = None if dx_out is None else _converted(call, dx_out, call.dtype, bk.empty_strided_like(x))
+    return dx, dweight, dbias
+
+
+def _row_norm_bwd(
+    call: _Call,
+    dy: Any,
+    dsum: Any,
+    x: Any,
+    mean: Any,
+    rstd: Any,
+    weight: Any,
+    row_len: int,
+    needs_input_grad: tuple[bool, bool, bool],
+    cast: bool,
+) -> tuple:
+    """row_norm_bwd on contiguous x and dy, whose ``call`` sets dy's dtype."""
+    bk = call.bk
     if dsum is not None:
         dsum = bk.contiguous(dsum)
     D = row_len
@@ -629,7 +705,7 @@ def row_norm_bwd(
     if short is not None:
         work = -(-rows // short.rows_per_cta)
         one_pass = f"row_norm_bwd_short_{cast_}{short.lanes}", _plan.SHORT_ROW_THREADS, work
-    elif regs is not None:
+    elif regs is not None and call.out_dtype is None:
         one_pass = f"row_norm_bwd_{cast_}{regs.packs}", regs.threads, rows
     if one_pass is not None:
         kernel, threads, work = one_pass
@@ -646,6 +722,7 @@ def row_norm_bwd(
             as_param = weight is not None
             _weight_grads(call, dweight_part, dbias_part, dweight, dbias, grid, D, as_param)
         return dx, dweight, dbias
+    assert call.out_dtype is None, "row_norm_bwd planned a mixed dy off the short rows"
     row_sums = None
     if want_dx:
         tiles = _plan.plan_rows_tiles(D, call.itemsize, aligned)
@@ -845,13 +922,21 @@ def _channel_fits(x: Any, param: Any, C: int, backward: bool) -> bool:
 
 
 def channel_norm_fwd(
-    x: Any, weight: Any, bias: Any, eps: float, rms: bool, *, want_stats: bool = True
+    x: Any,
+    weight: Any,
+    bias: Any,
+    eps: float,
+    rms: bool,
+    *,
+    want_stats: bool = True,
+    out_dtype: str | None = None,
 ) -> tuple:
     """(y, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over dim 1 of x (N, C, *spatial).
 
     y keeps x's layout (contiguous or channels_last; other strides: contiguous). mean, rstd:
     (N, *spatial) in the accumulator's dtype; mean None for RMSNorm, both None without
-    ``want_stats``. weight/bias: (C,) or None.
+    ``want_stats``. weight/bias: (C,) or None. ``out_dtype``: as row_norm_fwd's (y in float32
+    beside a half-precision x: read as is on channels_last data, a float32 copy otherwise).
     """
     bk = _interop.backend_of(x)
     layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
@@ -859,18 +944,22 @@ def channel_norm_fwd(
     if layout == "other":
         x = bk.contiguous(x)
     if layout == "channels_last" or _plan.prod(spatial) == 1:
-        y, _sum, mean, rstd = row_norm_fwd(
-            _to_rows(x), None, weight, bias, C, eps, rms, want_stats=want_stats
-        )
+        # fmt: off
+        y, _sum, mean, rstd = row_norm_fwd(_to_rows(x), None, weight, bias, C, eps, rms,
+                                           want_stats=want_stats, out_dtype=out_dtype)
+        # fmt: on
         y = _to_channels(y)
-    elif _channel_fits(x, weight if weight is not None else bias, C, backward=False):
-        y, mean, rstd = _channel_norm_fwd(x, weight, bias, eps, rms, want_stats=want_stats)
-    else:  # more channels than one CTA holds: the row norm on a channels-last copy
-        rows = bk.contiguous(_to_rows(x))
-        y, _sum, mean, rstd = row_norm_fwd(
-            rows, None, weight, bias, C, eps, rms, want_stats=want_stats
-        )
-        y = bk.contiguous(_to_channels(y))
+    else:
+        if out_dtype not in (None, bk.dtype_name(x)):  # the channels family: on a float32 copy
+            x = bk.astype(x, out_dtype)
+        if _channel_fits(x, weight if weight is not None else bias, C, backward=False):
+            y, mean, rstd = _channel_norm_fwd(x, weight, bias, eps, rms, want_stats=want_stats)
+        else:  # more channels than one CTA holds: the row norm on a channels-last copy
+            rows = bk.contiguous(_to_rows(x))
+            y, _sum, mean, rstd = row_norm_fwd(
+                rows, None, weight, bias, C, eps, rms, want_stats=want_stats
+            )
+            y = bk.contiguous(_to_channels(y))
     stats = (N, *spatial)
     mean = None if mean is None else mean.reshape(stats)
     rstd = None if rstd is None else rstd.reshape(stats)
@@ -889,7 +978,8 @@ def channel_norm_bwd(
 
     dx takes x's layout (contiguous or channels_last; other strides: contiguous); dy may have any
     strides (copied to x's layout when they differ). dweight/dbias: (C,) in the weight's dtype
-    (the accumulator's when weight is None).
+    (the accumulator's when weight is None). dy in float32 beside a half-precision x: of the
+    forward with that ``out_dtype``, dx in x's dtype.
     """
     bk = _interop.backend_of(x)
     layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
@@ -904,20 +994,22 @@ def channel_norm_bwd(
             rows_dy, None, _to_rows(x), mean, rstd, weight, C, needs_input_grad
         )
         return (None if dx is None else _to_channels(dx)), dweight, dbias
+    dtype = bk.dtype_name(x)
+    if bk.dtype_name(dy) != dtype:  # a float32 dy beside half x: on a float32 copy of x
+        x = bk.astype(x, bk.dtype_name(dy))
     dy = bk.contiguous(dy)
     if _channel_fits(x, weight, C, backward=True):
-        return _channel_norm_bwd(dy, x, mean, rstd, weight, needs_input_grad)
-    dx, dweight, dbias = row_norm_bwd(
-        bk.contiguous(_to_rows(dy)),
-        None,
-        bk.contiguous(_to_rows(x)),
-        mean,
-        rstd,
-        weight,
-        C,
-        needs_input_grad,
-    )
-    return (None if dx is None else bk.contiguous(_to_channels(dx))), dweight, dbias
+        dx, dweight, dbias = _channel_norm_bwd(dy, x, mean, rstd, weight, needs_input_grad)
+    else:
+        # fmt: off
+        dx, dweight, dbias = row_norm_bwd(bk.contiguous(_to_rows(dy)), None,
+                                          bk.contiguous(_to_rows(x)), mean, rstd, weight, C,
+                                          needs_input_grad)
+        # fmt: on
+        dx = None if dx is None else bk.contiguous(_to_channels(dx))
+    if dx is not None and bk.dtype_name(dx) != dtype:
+        dx = bk.astype(dx, dtype)
+    return dx, dweight, dbias
 
 
 @_programmed

@@ -114,6 +114,13 @@ def main() -> None:
                 close(y, ref, tol * 3)
                 _ops.row_norm_bwd(dy, None, x, m, r, w, shape[-1], (True, True, not rms))
                 _ops.row_norm_bwd(dy, x, x, m, r, None, shape[-1], (True, False, False))
+            if dtype in (torch.float16, torch.bfloat16):  # float32 y / dy (autocast): short
+                # rows in one pass, others through the float32 copies
+                wf = w.float()
+                y, _, m, r = _ops.row_norm_fwd(x, None, wf, wf, shape[-1], 1e-5, False,
+                                               out_dtype="float32")  # fmt: skip
+                close(y, F.layer_norm(x.float(), shape[-1:], wf, wf), 1e-4)
+                _ops.row_norm_bwd(dy.float(), None, x, m, r, wf, shape[-1], (True, True, True))
         # BatchNorm + residual add + ReLU on channels_last, few rows of many channels (tiles)
         x, z, dy = (
             torch.randn(4, 2048, 7, 7, device="cuda", dtype=dtype).to(

@@ -62,6 +62,29 @@ def test_kernel_route_matches_permuted_torch(kernel_path, fmt, rms, affine):
     assert got[0].is_contiguous(memory_format=fmt)
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_layer_norm2d_under_autocast_is_the_float32_norm(kernel_path, monkeypatch, fmt, dtype):
+    """Under autocast, layer_norm2d is torch's float32 norm of a half input (float64 stays
+    float64): y in that dtype and x's memory format, dx in x's dtype and memory format."""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(2, 16, 3, 4, generator=g) + 0.5).to(dtype)
+    x = x.contiguous(memory_format=fmt).requires_grad_()
+    w, b = (torch.randn(16, generator=g).requires_grad_() for _ in range(2))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    out = cnt.layer_norm2d(x, w, b)
+    ref = _permuted(F.layer_norm, x.to(compute), w.to(compute), b.to(compute), 1e-5)
+    assert out.dtype == compute and out.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn(out.shape, generator=g, dtype=compute)
+    got, expected = torch.autograd.grad(out, (x, w, b), dy), torch.autograd.grad(ref, (x, w, b), dy)
+    for a, e in zip(got, expected, strict=True):
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-2)
+    assert got[0].is_contiguous(memory_format=fmt)
+
+
 def test_rms_norm2d_default_eps_is_torchs(kernels):
     x = torch.randn(2, 3, 4, 4) * 1e-4
     torch.testing.assert_close(cnt.rms_norm2d(x), _permuted(F.rms_norm, x, None, None))

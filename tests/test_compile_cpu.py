@@ -45,6 +45,16 @@ def test_mixed_precision_params_compile() -> None:
     assert "strided_norm_apply_rows" in ptx
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float32_output_variant_compiles(dtype: str) -> None:
+    """row_norm.cu with float32 y / dy beside half-precision x (LayerNorm under autocast)."""
+    options = _compile.compile_options(dtype, "float32", "float32")
+    assert f"-DOUT_T={_compile.CTYPES['float32']}" in options
+    ptx = _compile_ptx("row_norm.cu", options, "compute_90")
+    for kernel in ("row_norm_fwd_short_layer_32", "row_norm_bwd_short_4", "row_norm_to_out"):
+        assert kernel in ptx
+
+
 def test_source_hash_covers_headers(tmp_path, monkeypatch) -> None:
     copy = tmp_path / "cuda_src"
     shutil.copytree(_compile.source_dir(), copy)

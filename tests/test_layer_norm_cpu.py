@@ -15,7 +15,7 @@ from test_programs_cpu import H200, launches  # noqa: F401 - the fixture
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm import _ops, _plan, _program
+from cupynorm import _compile, _ops, _plan, _program
 from cupynorm.torch import _autograd, _kernels, _library, _reference
 
 PAIRS = [(cnt.LayerNorm, nn.LayerNorm), (cnt.RMSNorm, nn.RMSNorm)]
@@ -94,6 +94,37 @@ def test_kernel_route_module_matches_torch(kernel_path, ours, theirs, shape, nor
         grad_tol = tol if shape[-1] > 1 else dict(atol=1e3 * tol["atol"], rtol=tol["rtol"])
         for u, v in zip(got, expected, strict=True):
             torch.testing.assert_close(u, v, **grad_tol)
+
+
+@pytest.mark.parametrize(
+    "dtype, param_dtype",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16),  # float32 copies of the parameters are used
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_kernel_route_under_autocast_is_the_float32_norm(
+    kernel_path, monkeypatch, dtype, param_dtype
+):
+    """Under autocast, layer_norm is torch's float32 norm of the input (float64 stays float64):
+    y in that dtype, the input's gradient in the input's dtype, the parameters' in theirs."""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(5, 3, 16, generator=g) * 2 + 1).to(dtype).requires_grad_()
+    w, b = (torch.randn(16, generator=g).to(param_dtype).requires_grad_() for _ in range(2))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    for _ in range(2):  # the full path, then a replay
+        y = cnt.layer_norm(x, (16,), w, b)
+        expected = F.layer_norm(x.to(compute), (16,), w.to(compute), b.to(compute))
+        assert y.dtype == compute
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+        got, want = _grads(y, [x, w, b]), _grads(expected, [x, w, b])
+        for u, v in zip(got, want, strict=True):
+            assert u.dtype == v.dtype
+            torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
@@ -387,6 +418,97 @@ def test_short_rows_backward_is_one_pass_of_groups_of_lanes(launches, rms):  # n
     assert args[9:11] == [rows, D] and args[4] == (0 if rms else mean.data_ptr())
     assert params == "row_norm_bwd_params" and pargs[4:6] == [grid, D]
     assert (args[8] == 0) == rms and args[7] != 0
+
+
+@pytest.fixture
+def variants(launches, monkeypatch):  # noqa: F811
+    """The launch log, and each launch's module variant: (kernel, dtype, param dtype, out dtype)."""
+    seen: list = []
+    fake = _compile.launcher
+
+    def launcher(dev, src, kernel, dtype, param_dtype, out_dtype, codes):
+        seen.append((kernel, dtype, param_dtype, out_dtype))
+        return fake(dev, src, kernel, dtype, param_dtype, out_dtype, codes)
+
+    monkeypatch.setattr(_compile, "launcher", launcher)
+    return launches, seen
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_output_of_short_rows_reads_the_half_input_in_one_pass(variants, dtype):
+    """LayerNorm under autocast: x read as is, y (and dy) float32, dx in x's dtype, one launch
+    each way (the float32 copies of x and of dx are gone)."""
+    log, seen = variants
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    rows, D = 300, 768  # 96 packs of 8: 32 lanes per row
+    x, w, b = torch.rand(rows, D, dtype=dtype), torch.rand(D), torch.rand(D)
+    y, _sum, mean, rstd = _ops.row_norm_fwd(x, None, w, b, D, 1e-5, False, out_dtype="float32")
+    assert y.dtype == torch.float32 and y.shape == x.shape and mean.dtype == torch.float32
+    assert seen == [("row_norm_fwd_short_layer_32", name, "float32", "float32")]
+    assert log[0][4][:4] == [x.data_ptr(), 0, 0, y.data_ptr()]
+    dy = torch.rand(rows, D)
+    dx, dw, db = _ops.row_norm_bwd(dy, None, x, mean, rstd, w, D, (True, True, True))
+    assert dx.dtype == dtype and dw.dtype == db.dtype == torch.float32
+    assert [k for k, *_ in seen[1:]] == ["row_norm_bwd_short_32", "row_norm_bwd_params"]
+    assert all(v[1:] == (name, "float32", "float32") for v in seen[1:])
+    assert log[1][4][:2] == [x.data_ptr(), dy.data_ptr()] and log[1][4][6] == dx.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "D, misaligned", [(2048, False), (100, False), (768, True)], ids=["long", "odd", "misaligned"]
+)
+def test_float32_output_of_other_rows_runs_the_float32_path_on_a_copy(variants, D, misaligned):
+    """Rows the short-row kernels do not take: x converted to float32 in a launch of its own, the
+    float32 kernels, and the backward's dx converted back."""
+    log, seen = variants
+    rows = 6
+    x = torch.rand(rows * D + 1, dtype=torch.bfloat16)[1:] if misaligned else torch.rand(rows * D)
+    x = x.to(torch.bfloat16).view(rows, D)
+    w = torch.rand(D)
+    y, _sum, mean, rstd = _ops.row_norm_fwd(x, None, w, None, D, 1e-5, False, out_dtype="float32")
+    assert y.dtype == torch.float32
+    convert, *rest = seen
+    assert convert == ("row_norm_to_out", "bfloat16", "float32", "float32")
+    assert rest and all(v[1:] == ("float32", None, None) for v in rest)  # the float32 kernels
+    copy = log[0][4][1]
+    assert log[1][4][0] == copy and log[0][4][:3:2] == [x.data_ptr(), rows * D]
+    seen.clear()
+    dx, dw, _db = _ops.row_norm_bwd(torch.rand(rows, D), None, x, mean, rstd, w, D,
+                                    (True, True, False))  # fmt: skip
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert seen[0] == ("row_norm_to_out", "bfloat16", "float32", "float32")
+    assert seen[-1] == ("row_norm_from_out", "bfloat16", "float32", "float32")
+    assert all(v[1:] == ("float32", None, None) for v in seen[1:-1])
+    assert log[-1][4][1] == dx.data_ptr()
+
+
+def test_float32_output_of_channel_norms(variants):
+    """LayerNorm2d under autocast: channels_last data is the row norm read as is; contiguous
+    (NCHW) data the channels family on a float32 copy, dx converted back."""
+    _log, seen = variants
+    w = torch.rand(96)
+    x = torch.rand(2, 96, 5, 7).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    y, mean, rstd = _ops.channel_norm_fwd(x, w, None, 1e-5, False, out_dtype="float32")
+    assert y.dtype == torch.float32 and y.is_contiguous(memory_format=torch.channels_last)
+    assert seen == [("row_norm_fwd_short_layer_4", "bfloat16", "float32", "float32")]
+    dx, _dw, _db = _ops.channel_norm_bwd(torch.rand(y.shape), x, mean, rstd, w, (True, True, False))
+    assert dx.dtype == torch.bfloat16 and dx.is_contiguous(memory_format=torch.channels_last)
+    assert all(v[1:] == ("bfloat16", "float32", "float32") for v in seen[1:])
+    seen.clear()
+    x = x.contiguous()
+    y, mean, rstd = _ops.channel_norm_fwd(x, w, None, 1e-5, False, out_dtype="float32")
+    assert y.dtype == torch.float32 and y.is_contiguous()
+    dx, _dw, _db = _ops.channel_norm_bwd(torch.rand(y.shape), x, mean, rstd, w, (True, True, False))
+    assert dx.dtype == torch.bfloat16 and dx.is_contiguous()
+    assert seen and all(v[1:] == ("float32", None, None) for v in seen)
+
+
+def test_out_dtype_is_wider_than_the_input_with_no_residual(launches):  # noqa: F811
+    x = torch.rand(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="no residual"):
+        _ops.row_norm_fwd(x, x, None, None, 64, 1e-5, False, out_dtype="float32")
+    with pytest.raises(ValueError, match="wider"):
+        _ops.row_norm_fwd(x.double(), None, None, None, 64, 1e-5, False, out_dtype="float32")
 
 
 def test_long_rows_forward_uses_the_strided_statistics(launches):  # noqa: F811

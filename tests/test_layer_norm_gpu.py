@@ -295,6 +295,70 @@ def test_long_rows_backward(rms):
     close(gw, rw, 1e-4)
 
 
+# ---- autocast: the float32 norm of a half-precision input, read as is ----------------------------
+def _max_err(t, ref):
+    return (t.double() - ref).abs().max().item() if t.numel() else 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "rows_id",
+    # short rows (one pass, float32 y beside half x); rows of 3, 1001 (not whole packs), 4104 and
+    # 8200 values (not short) take the float32 path on a copy
+    ["odd", "short_packs", "one_pack", "short_wide", "unaligned_len", "many_rows_wide", "one_cta"],
+)
+@pytest.mark.parametrize("fp32_params", [True, False], ids=["fp32_params", "half_params"])
+def test_autocast_matches_torch_and_float64(dtype, rows_id, fp32_params):
+    """Under autocast layer_norm is torch's float32 norm of the half input: y float32, dx in the
+    input's dtype, parameter gradients in theirs; errors against float64 no larger than torch's
+    own (a few roundings: 3x its maximum, a floor of one rounding of the dtype for dx); the
+    full path and the replay bit for bit equal."""
+    rows, D = ROWS[rows_id]
+    x = rand((rows, D), dtype, offset=0.5).requires_grad_()
+    w, b = (t.requires_grad_() for t in params(D, dtype, False, fp32_params=fp32_params))
+    dy = torch.randn(rows, D, device="cuda")
+    poison_torch_allocator()
+    runs = {}
+    for name, fn in (("ours", cnt.layer_norm), ("torch", F.layer_norm)):
+        runs[name] = []
+        for _ in range(2):  # the full path, then the replay
+            with torch.autocast("cuda", dtype=DTYPES[dtype]):
+                y = fn(x, (D,), w, b, 1e-5)
+            runs[name].append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+    ours, theirs = runs["ours"], runs["torch"]
+    for a, c in zip(ours[0], ours[1], strict=True):
+        assert torch.equal(a, c)
+    for a, c in zip(ours[0], theirs[0], strict=True):
+        assert a.dtype == c.dtype and a.shape == c.shape
+        assert not torch.isnan(a).any()
+    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = F.layer_norm(xd, (D,), wd, bd, 1e-5)
+    refs = (ref.detach(), *torch.autograd.grad(ref, (xd, wd, bd), dy.double()))
+    floors = (1e-6, GRAD_TOL[dtype], 1e-6 * rows, 1e-6 * rows)
+    names = ("y", "dx", "dw", "db")
+    for what, a, c, r, floor in zip(names, ours[0], theirs[0], refs, floors, strict=True):
+        assert _max_err(a, r) <= 3 * _max_err(c, r) + floor, what
+
+
+def test_autocast_keeps_misaligned_zero_size_and_float64_inputs():
+    """Under autocast: an input not 16-byte aligned (the float32 path on a copy), zero rows, and
+    float64 input (autocast leaves it float64) give torch's dtypes and values."""
+    base = rand((8 * 64 + 1,), "bfloat16")
+    cases = [base[1:].view(8, 64), rand((0, 96), "bfloat16"), rand((5, 96), "float64")]
+    for x in cases:
+        D = x.shape[-1]
+        w = torch.rand(D, device="cuda", dtype=torch.promote_types(x.dtype, torch.float32)) + 0.5
+        x = x.requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y, y_ref = cnt.layer_norm(x, (D,), w), F.layer_norm(x, (D,), w)
+        assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+        dy = torch.randn_like(y)
+        (dx,), (dx_ref,) = torch.autograd.grad(y, (x,), dy), torch.autograd.grad(y_ref, (x,), dy)
+        assert dx.dtype == dx_ref.dtype
+        torch.testing.assert_close(dx, dx_ref, atol=2e-2, rtol=2e-2)
+
+
 # ---- modules, compile, graphs ------------------------------------------------------------------
 @pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
 def test_module_compile_fullgraph_and_cuda_graph(cls):

@@ -148,7 +148,8 @@ def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
 
 
 def _row_norm_setup(ctx, inputs, output) -> None:
-    # inputs: (x, residual, weight, bias, ndim, eps, rms[, cast]); output: (y, sum, mean, rstd)
+    # inputs: (x, residual, weight, bias, ndim, eps, rms[, cast[, out_float32]]); output: (y, sum,
+    # mean, rstd). A float32 y beside a half x changes nothing here: dy's dtype tells the backward
     x, residual, weight, _bias, ndim, _eps, _rms = inputs[:7]
     _y, total, mean, rstd = output
     # the rows that were normalized: the sum when there is a residual
@@ -182,6 +183,7 @@ def _make_row_norm_backward(bwd):
             dx if needs[1] else None,
             dweight,
             dbias,
+            None,
             None,
             None,
             None,
@@ -580,8 +582,8 @@ class _RowNormAddMulFunction(_EagerFunction):
 
 class _RowNormFunction(_EagerFunction):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False):
-        inputs = (x, residual, weight, bias, ndim, eps, rms, cast)
+    def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False):
+        inputs = (x, residual, weight, bias, ndim, eps, rms, cast, out_float32)
         output = _row_norm_fwd(*inputs)
         _row_norm_setup(ctx, inputs, output)
         return output
@@ -614,24 +616,24 @@ def _channel_norm_setup(ctx, inputs, output) -> None:
 def _make_channel_norm_backward(bwd):
     def backward(ctx, dy, _dmean, _drstd):
         needs = ctx.needs_input_grad
+        nones = (None,) * (len(needs) - 3)  # eps, rms[, out_float32]
         if dy is None:
-            return None, None, None, None, None
+            return None, None, None, *nones
         x, weight, mean, rstd = ctx.saved_tensors
         mask = [needs[0], needs[1], needs[2]]
         if not any(mask):
-            return None, None, None, None, None
+            return None, None, None, *nones
         dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, mask)
-        return dx, dweight, dbias, None, None
+        return dx, dweight, dbias, *nones
 
     return backward
 
 
 class _ChannelNormFunction(_EagerFunction):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms):
-        inputs = (x, weight, bias, eps, rms)
-        output = _channel_norm_fwd(*inputs)
-        _channel_norm_setup(ctx, inputs, output)
+    def forward(ctx, x, weight, bias, eps, rms, out_float32=False):
+        output = _channel_norm_fwd(x, weight, bias, eps, rms, out_float32)
+        _channel_norm_setup(ctx, (x, weight, bias, eps, rms), output)
         return output
 
     backward = staticmethod(_once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))

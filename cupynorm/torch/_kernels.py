@@ -553,19 +553,23 @@ def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(x.shape[: x.dim() - ndim]), tuple(x.shape[x.dim() - ndim :])
 
 
-def _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast, want_stats):
+def _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast, want_stats,
+                          out_float32=False):  # fmt: skip
     """(args, kwargs) of the host op row_norm_fwd (its call key: cupynorm.torch._replay)."""
     kwargs = {"want_stats": want_stats, "cast": True} if cast else {"want_stats": want_stats}
+    if out_float32:
+        kwargs["out_dtype"] = "float32"
     return (x, residual, weight, bias, row_len, eps, rms), kwargs
 
 
-def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast=False, want_stats=True):
+def _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False,
+                       want_stats=True):  # fmt: skip
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     batch, row = _split(x, ndim)
     # fmt: off
     args, kwargs = _row_norm_fwd_op_args(x, residual, _vec(weight), _vec(bias), math.prod(row),
-                                         eps, rms, cast, want_stats)
+                                         eps, rms, cast, want_stats, out_float32)
     # fmt: on
     y, total, mean, rstd = _host().row_norm_fwd(*args, **kwargs)
     mean = None if mean is None else mean.reshape(batch)
@@ -595,18 +599,21 @@ def _row_norm_bwd_cuda(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=
     return dx, dweight, dbias
 
 
-def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms, cast=False):
+def _row_norm_fwd(x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False):
+    """``out_float32``: y in float32 from a float16 / bfloat16 x (layer_norm under autocast), with
+    no residual; the backward then takes dy in float32 and gives dx in x's dtype."""
+    args = (x, residual, weight, bias, ndim, eps, rms, cast)
     if x.is_cuda:
-        return _row_norm_fwd_cuda(x, residual, weight, bias, ndim, eps, rms, cast)
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)
+        return _row_norm_fwd_cuda(*args, out_float32)
+    return _row_norm_fwd_reference(*args, out_float32)
 
 
-def _row_norm_output(x, residual, weight, bias, ndim, eps, rms, cast=False):
+def _row_norm_output(x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False):
     """(y, sum) alone (no autograd)."""
+    args = (x, residual, weight, bias, ndim, eps, rms, cast)
     if x.is_cuda:
-        args = (x, residual, weight, bias, ndim, eps, rms, cast)
-        return _row_norm_fwd_cuda(*args, want_stats=False)[:2]
-    return _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast)[:2]
+        return _row_norm_fwd_cuda(*args, out_float32, want_stats=False)[:2]
+    return _row_norm_fwd_reference(*args, out_float32)[:2]
 
 
 def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False):
@@ -639,9 +646,13 @@ def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=
 # y and dx keep x's memory format (contiguous, channels_last / channels_last_3d; other strides:
 # contiguous); mean/rstd are (N, *spatial), mean None for RMSNorm; dweight/dbias are (C,).
 # ---------------------------------------------------------------------------------------------
-def _channel_norm_fwd_cuda(x, weight, bias, eps, rms, want_stats=True):
+def _channel_norm_fwd_cuda(x, weight, bias, eps, rms, out_float32=False, want_stats=True):
     x, _fmt = _dense(x)
-    return _host().channel_norm_fwd(x, _vec(weight), _vec(bias), eps, rms, want_stats=want_stats)
+    out_dtype = "float32" if out_float32 else None
+    # fmt: off
+    return _host().channel_norm_fwd(x, _vec(weight), _vec(bias), eps, rms, want_stats=want_stats,
+                                    out_dtype=out_dtype)
+    # fmt: on
 
 
 def _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask):
@@ -658,17 +669,18 @@ def _channel_norm_bwd_cuda(dy, x, mean, rstd, weight, output_mask):
     return dx, dweight, dbias
 
 
-def _channel_norm_fwd(x, weight, bias, eps, rms):
+def _channel_norm_fwd(x, weight, bias, eps, rms, out_float32=False):
+    """``out_float32``: as _row_norm_fwd's (layer_norm2d under autocast)."""
     if x.is_cuda:
-        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms)
-    return _channel_norm_fwd_reference(x, weight, bias, eps, rms)
+        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms, out_float32)
+    return _channel_norm_fwd_reference(x, weight, bias, eps, rms, out_float32)
 
 
-def _channel_norm_output(x, weight, bias, eps, rms):
+def _channel_norm_output(x, weight, bias, eps, rms, out_float32=False):
     """y alone (no autograd)."""
     if x.is_cuda:
-        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms, want_stats=False)[0]
-    return _channel_norm_fwd_reference(x, weight, bias, eps, rms)[0]
+        return _channel_norm_fwd_cuda(x, weight, bias, eps, rms, out_float32, want_stats=False)[0]
+    return _channel_norm_fwd_reference(x, weight, bias, eps, rms, out_float32)[0]
 
 
 def _channel_norm_bwd(dy, x, mean, rstd, weight, output_mask):

@@ -309,7 +309,8 @@ def _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd):
 #     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 #   cast (RMSNorm of Hugging Face's LlamaRMSNorm): xhat is rounded to x's dtype before the weight
 #     multiplies it, and dweight sums dy * that rounded xhat; dx as RMSNorm's
-def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast=False):
+def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast=False,
+                            out_float32=False):  # fmt: skip
     total = None
     if residual is not None:
         total = (x + residual).contiguous()
@@ -332,7 +333,7 @@ def _row_norm_fwd_reference(x, residual, weight, bias, ndim, eps, rms, cast=Fals
         xhat = xhat * weight.to(stat).reshape(1, -1)
     if bias is not None:
         xhat = xhat + bias.to(stat).reshape(1, -1)
-    y = xhat.reshape(x.shape).to(x.dtype).contiguous()
+    y = xhat.reshape(x.shape).to(torch.float32 if out_float32 else x.dtype).contiguous()
     return y, total, mean, rstd.reshape(batch)
 
 
@@ -373,10 +374,10 @@ def _rows_to_channels(t: Tensor) -> Tensor:
     return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1))
 
 
-def _channel_norm_fwd_reference(x, weight, bias, eps, rms):
+def _channel_norm_fwd_reference(x, weight, bias, eps, rms, out_float32=False):
     fmt = _layout(x) or torch.contiguous_format
     y, _total, mean, rstd = _row_norm_fwd_reference(
-        _channels_to_rows(x), None, weight, bias, 1, eps, rms
+        _channels_to_rows(x), None, weight, bias, 1, eps, rms, False, out_float32
     )
     return _rows_to_channels(y).contiguous(memory_format=fmt), mean, rstd
 

@@ -128,10 +128,10 @@ def group_norm(x, num_groups, weight, bias, eps, act, shift, origin,
     return (y[0] if y is not None and not grad else y), token
 
 
-def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin,
-             grad) -> tuple[Any, Token]:  # fmt: skip
+def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
+             out_float32=False) -> tuple[Any, Token]:  # fmt: skip
     """LayerNorm / RMSNorm over the trailing ``dims`` of x (after adding ``residual``) replayed,
-    as :func:`batch_norm`: y, or (y, sum) with a residual."""
+    as :func:`batch_norm`: y (float32 with ``out_float32``), or (y, sum) with a residual."""
     x = _unwrap(x)
     if grad:
         residual, weight, bias = (t if t is None else _unwrap(t) for t in (residual, weight, bias))
@@ -140,7 +140,7 @@ def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin,
     row_len = dims[0] if len(dims) == 1 else math.prod(dims)
     # fmt: off
     args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
-                                         grad)
+                                         grad, out_float32)
     out, token = _run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
                       (row_len, cast, dims), (x, residual, weight, bias))
     # fmt: on

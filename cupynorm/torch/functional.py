@@ -235,42 +235,53 @@ def _default_rms_eps(x: Tensor) -> float:
 
 
 def _apply_row_norm(
-    x, residual, weight, bias, ndim, eps, rms, cast=False
+    x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False
 ) -> tuple[Tensor, Tensor | None]:
     args = (x, residual, weight, bias, ndim, eps, rms, cast)
-    if _traced(x):
+    if _traced(x):  # never out_float32 (the route's float32 copies: Inductor fuses them)
         return row_norm_fwd_op(*args)[:2]
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias)
     ):
-        return _RowNormFunction.run(*args)[:2]
-    return _row_norm_output(*args)
+        return _RowNormFunction.run(*args, out_float32)[:2]
+    return _row_norm_output(*args, out_float32)
 
 
-def _apply_channel_norm(x, weight, bias, eps, rms) -> Tensor:
-    if _traced(x):
+def _apply_channel_norm(x, weight, bias, eps, rms, out_float32=False) -> Tensor:
+    if _traced(x):  # never out_float32 (as _apply_row_norm)
         return channel_norm_fwd_op(x, weight, bias, eps, rms)[0]
     if _wants_grad(x, weight, bias):
-        return _ChannelNormFunction.run(x, weight, bias, eps, rms)[0]
-    return _channel_norm_output(x, weight, bias, eps, rms)
+        return _ChannelNormFunction.run(x, weight, bias, eps, rms, out_float32)[0]
+    return _channel_norm_output(x, weight, bias, eps, rms, out_float32)
 
 
-def _kernel_tensors(tensors: tuple, origin: Any, to_float32: bool) -> tuple[tuple, Any]:
+def _kernel_tensors(
+    tensors: tuple, origin: Any, to_float32: bool, keep_input: bool = False
+) -> tuple[tuple, Any]:
     """(the tensors the kernels take, the replay's origin): under autocast (``to_float32``)
-    float32 copies, and the dtypes they were made from joined to ``origin`` (the checks'
-    verdict is on the tensors before the copies, whose key a call the checks reject may share:
-    an integer input's copy, a bf16 input's)."""
+    float32 copies (but the input with ``keep_input``: a kernel reads it as is), and the dtypes
+    they were made from joined to ``origin`` (the checks' verdict is on the tensors before the
+    copies, whose key a call the checks reject may share: an integer input's copy, a bf16
+    input's)."""
     if not to_float32:
         return tensors, origin
-    return _float32(*tensors), (origin, *(None if t is None else t.dtype for t in tensors))
+    origin = (origin, *(None if t is None else t.dtype for t in tensors))
+    if keep_input:
+        return (tensors[0], *_float32(*tensors[1:])), origin
+    return _float32(*tensors), origin
 
 
 def _float32(*tensors: Tensor | None) -> tuple:
-    """The tensors in float32 (None stays None): the CUDA autocast policy of torch's norms.
-    A float32 tensor is itself, as ``.float()`` would return it, without the call (~0.4 us of
-    argument parsing on the dev CPU; a model's float32 parameters, every call)."""
-    f32 = torch.float32
-    return tuple(t if t is None or t.dtype is f32 else t.float() for t in tensors)
+    """The tensors in float32 (None stays None): the CUDA autocast policy of torch's norms,
+    which leaves float64 as it is. A float32 tensor is itself, as ``.float()`` would return it,
+    without the call (~0.4 us of argument parsing on the dev CPU; a model's float32
+    parameters, every call)."""
+    keep = (torch.float32, torch.float64)
+    return tuple(t if t is None or t.dtype in keep else t.float() for t in tensors)
+
+
+#: the input dtypes whose float32 LayerNorm under autocast reads the input as is (row_norm.cu)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,19 +698,23 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
     """The route of a row norm call on cupynorm's kernels: a replay of the same call checked
     before (:mod:`._replay`), else the checks of ``fn`` against ``torch_fn`` (None: the caller
     checked; ``normalized_shape`` is then a tuple), then the kernels, whose call may be replayed
-    from then on. ``eps`` None: RMSNorm's default; ``to_float32``: the kernels take float32
-    copies (layer_norm under autocast). Returns (y, the sum or None)."""
+    from then on. ``eps`` None: RMSNorm's default; ``to_float32``: layer_norm under autocast, in
+    float32 (a half-precision input read as is by the kernels, y in float32; float32 copies of
+    the other tensors). Returns (y, the sum or None)."""
     tensors = (input, residual, weight, bias)
     dims = _dims(normalized_shape)
+    # under autocast a half-precision input is read as is and y comes out in float32: as its
+    # float32 copy would give, with none made (not when traced: Inductor fuses the copies)
+    out_float32 = to_float32 and residual is None and input.dtype in _HALF and not _traced(input)
     replay = dims is not None and _replay_candidate(tensors)
     token = None
     if replay:
-        tensors, origin = _kernel_tensors(tensors, dims, to_float32)
+        tensors, origin = _kernel_tensors(tensors, dims, to_float32, out_float32)
         x, r, w, b = tensors
         key_eps = _default_rms_eps(x) if eps is None and rms else eps
         # fmt: off
         out, token = _replay.row_norm(x, r, w, b, dims, key_eps, rms, cast, origin,
-                                      _wants_grad(x, w, b, r))
+                                      _wants_grad(x, w, b, r), out_float32)
         # fmt: on
         if out is not None:
             return (out, None) if r is None else out
@@ -709,11 +724,11 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
                                       bias, eps)
         # fmt: on
     if not replay:
-        tensors = _kernel_tensors(tensors, None, to_float32)[0]
+        tensors = _kernel_tensors(tensors, None, to_float32, out_float32)[0]
     x, r, w, b = tensors
     if eps is None and rms:
         eps = _default_rms_eps(x)
-    out = _apply_row_norm(x, r, w, b, len(dims), eps, rms, cast)
+    out = _apply_row_norm(x, r, w, b, len(dims), eps, rms, cast, out_float32)
     _replay.validated(token, x.is_contiguous() and (r is None or r.is_contiguous()), (w, b))
     return out
 
@@ -931,9 +946,13 @@ def layer_norm2d(
     if not _use_kernels(input):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     _checks.check_channel_norm("layer_norm2d", F.layer_norm, input, weight, bias, eps)
+    out_float32 = False
     if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
-        input, weight, bias = _float32(input, weight, bias)
-    return _apply_channel_norm(input, weight, bias, eps, False)
+        out_float32 = input.dtype in _HALF and not _traced(input)  # as layer_norm's
+        weight, bias = _float32(weight, bias)
+        if not out_float32:
+            (input,) = _float32(input)
+    return _apply_channel_norm(input, weight, bias, eps, False, out_float32)
 
 
 def rms_norm2d(
