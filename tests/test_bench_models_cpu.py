@@ -24,6 +24,7 @@ MODEL_NAMES = [
     "resnet50_b256_bf16_cl",
     "efficientnet_b0_b64_bf16_cl",
     "convnext_tiny_b64_bf16_cl",
+    "vit_base_b64_bf16",
     "gn_blocks_fp16_cl",
     "gn_blocks_fp16",
     "unet_blocks_fp16",
@@ -32,7 +33,7 @@ MODEL_NAMES = [
 ]
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
 # is elementwise torch ops, no norm kernel to count on the CPU)
-DRY_RUN_NAMES = MODEL_NAMES[:8]
+DRY_RUN_NAMES = MODEL_NAMES[:-1]
 
 # ------------------------------------------------------------------------------------------------
 # Registry and selection
@@ -58,7 +59,13 @@ def test_model_workloads() -> None:
     convnext = by_name["convnext_tiny_b64_bf16_cl"]
     assert convnext.input_shape == (64, 3, 224, 224) and convnext.autocast == "bfloat16"
     assert convnext.channels_last and convnext.convert == "layer_norms"
-    converts = {"llama": "llama_rms_norm", "convnext_tiny": "layer_norms"}
+    vit = by_name["vit_base_b64_bf16"]
+    assert vit.autocast == "bfloat16" and not vit.channels_last and vit.model == "vit_base"
+    converts = {
+        "llama": "llama_rms_norm",
+        "convnext_tiny": "layer_norms",
+        "vit_base": "layer_norms",
+    }
     for workload in bench.MODEL_WORKLOADS:
         assert workload.model in bench.models.MODEL_FACTORIES
         assert workload.convert == converts.get(workload.model, "fuse")
@@ -399,8 +406,37 @@ def _tiny_layer_norm_net(workload: bench.ModelWorkload):
     )
 
 
+def _tiny_vit(workload: bench.ModelWorkload):
+    """Stands in for vit_base: patches, a pre-norm MLP block with nn.LayerNorm over the tokens'
+    rows, a final norm."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width, eps=1e-6)
+            self.mlp = nn.Linear(width, width)
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patches = nn.Conv2d(3, 16, 4, stride=4)
+            self.block = Block(16)
+            self.norm = nn.LayerNorm(16, eps=1e-6)
+            self.head = nn.Linear(16, workload.num_classes)
+
+        def forward(self, x):
+            tokens = self.patches(x).flatten(2).transpose(1, 2)
+            return self.head(self.norm(self.block(tokens)).mean(1))
+
+    return Net()
+
+
 def _tiny_model_workload(workload: bench.ModelWorkload) -> bench.ModelWorkload:
-    if workload.model in ("resnet50", "efficientnet_b0", "convnext_tiny"):
+    if workload.model in ("resnet50", "efficientnet_b0", "convnext_tiny", "vit_base"):
         return dataclasses.replace(
             workload, input_shape=(2, 3, 16, 16), num_classes=10, accuracy_batch=None
         )
@@ -431,6 +467,7 @@ def models_dry_run(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "resnet50", _tiny_bn_net)
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "efficientnet_b0", _tiny_norm_act_net)
         monkeypatch.setitem(bench.models.MODEL_FACTORIES, "convnext_tiny", _tiny_layer_norm_net)
+        monkeypatch.setitem(bench.models.MODEL_FACTORIES, "vit_base", _tiny_vit)
 
     return substitute_resnet50
 
@@ -455,12 +492,12 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[8/8] unet_blocks_fp16_cl done" in captured.err
+    assert "[9/9] unet_blocks_fp16_cl done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out
     rows = _models_table(captured.out)
-    assert len(rows) == 2 + 8 * 3 * 2
+    assert len(rows) == 2 + len(DRY_RUN_NAMES) * 3 * 2
     body = rows[2:]
     assert all("ERROR" not in cell for row in body for cell in row), captured.out
     keys = [tuple(row[:3]) for row in body]
@@ -483,7 +520,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     for model in report["models"]:
         assert model["error"] is None and model["failure"] is None
         assert model["accuracy"]["ok"] and model["accuracy"]["batch"] == 2
-        norm_layers = {"resnet50": 2, "efficientnet_b0": 3, "convnext_tiny": 2}
+        norm_layers = {"resnet50": 2, "efficientnet_b0": 3, "convnext_tiny": 2, "vit_base": 2}
         assert model["norm_layers"] == norm_layers.get(model["model"], 8)
         assert len(model["steps"]) == 6
         eager = [s for s in model["steps"] if s["mode"] == "eager"]

@@ -258,11 +258,19 @@ def convnext_tiny(workload: ModelWorkload) -> torch.nn.Module:
     return timm.create_model("convnext_tiny", num_classes=workload.num_classes)
 
 
+def vit_base(workload: ModelWorkload) -> torch.nn.Module:
+    """timm's `vit_base_patch16_224` (random weights; 25 torch.nn.LayerNorm(768) over its 197
+    tokens' rows: two per block and the final one); an ImportError when timm is missing."""
+    timm = importlib.import_module("timm")
+    return timm.create_model("vit_base_patch16_224", num_classes=workload.num_classes)
+
+
 # The models group's models by name; each builds the model on the CPU in float32.
 MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "resnet50": resnet50,
     "efficientnet_b0": efficientnet_b0,
     "convnext_tiny": convnext_tiny,
+    "vit_base": vit_base,
     "gn_resnet_blocks": gn_resnet_blocks,
     "unet_resnet_blocks": unet_resnet_blocks,
     "llama": llama,

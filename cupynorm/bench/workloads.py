@@ -440,6 +440,10 @@ _CONVNEXT_TITLE = (
     "timm convnext_tiny training step (23 LayerNorm: 18 over the channels of NHWC rows, 5 "
     "LayerNorm2d), bf16 autocast, SGD"
 )
+_VIT_TITLE = (
+    "timm vit_base_patch16_224 training step (25 LayerNorm(768) over the tokens' rows), bf16 "
+    "autocast, SGD"
+)
 _GN_BLOCKS_TITLE = (
     "4 diffusers-style ResNet blocks (GroupNorm(32, 320), SiLU, Conv3x3, x2, + residual; "
     "8 GroupNorm) training step, fp16, SGD"
@@ -491,6 +495,15 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         input_shape=(64, 3, 224, 224),
         autocast="bfloat16",
         channels_last=True,
+        accuracy_batch=16,
+        convert="layer_norms",
+    ),
+    ModelWorkload(
+        name="vit_base_b64_bf16",
+        title=_VIT_TITLE,
+        model="vit_base",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
         accuracy_batch=16,
         convert="layer_norms",
     ),
