@@ -6,11 +6,13 @@ paid once per step, as in a model, so the time per layer is what each layer adds
 ``bn`` (8x64x14x14 channels_last, a resnet50 layer's form): torch's BatchNorm2d and cupynorm's,
 torch's BatchNorm2d + ReLU against cupynorm's ``BatchNormAct2d``; ``gn`` (the same input):
 GroupNorm(32, 64), and GroupNorm + SiLU against ``GroupNormAct``; ``ln`` (8x196x96, a
-convnext_tiny block's rows): LayerNorm(96). Each with a bare Python ``autograd.Function`` with
+convnext_tiny block's rows): LayerNorm(96); ``ln+cast``: LayerNorm(96), then back to bf16 (as the
+Linear after a block's norm gives it: under autocast every layer then normalizes bf16 rows into
+float32). Each with a bare Python ``autograd.Function`` with
 the same allocations (no kernels: the floor of any norm written in Python) and
 ``nn.Identity``. ``--profile``: then a cProfile of the cupynorm stacks, by own time.
 
-Usage: python scripts/profile_layer_stack.py [--norm bn|gn|ln] [--layers L] [--steps N]
+Usage: python scripts/profile_layer_stack.py [--norm bn|gn|ln|ln+cast] [--layers L] [--steps N]
        [--profile]
 """
 
@@ -53,6 +55,15 @@ class _FloorLayer(torch.nn.BatchNorm2d):
         return _Floor.apply(x, self.weight, self.bias)[0]
 
 
+class _ToBf16(torch.nn.Module):
+    def forward(self, x):
+        return x.to(torch.bfloat16)
+
+
+def _then_bf16(make):
+    return lambda c: torch.nn.Sequential(make(c), _ToBf16())
+
+
 # --norm -> (input shape, channels_last, {kind: maker of one layer of `channels` features})
 _NORMS = {
     "bn": ((8, 64, 14, 14), True, {
@@ -71,6 +82,10 @@ _NORMS = {
     "ln": ((8, 196, 96), False, {
         "torch ln": torch.nn.LayerNorm,
         "cupynorm ln": cnt.LayerNorm,
+    }),
+    "ln+cast": ((8, 196, 96), False, {
+        "torch ln+cast": _then_bf16(torch.nn.LayerNorm),
+        "cupynorm ln+cast": _then_bf16(cnt.LayerNorm),
     }),
 }  # fmt: skip
 

@@ -6,14 +6,16 @@ and the hidden sizes of small transformers. The time is the GPU kernel time per 
 torch.profiler (a call's host time, which autograd makes comparable to its kernels at these
 sizes, does not blur it), over tensors four times the L2. Prints ms and the TB/s of the bytes
 each direction must move (forward: read x, write y; forward + backward: that, then read x and
-dy, write dx).
+dy, write dx). With --autocast: float32 parameters and the calls under CUDA autocast (y and dy
+in float32: forward 3, forward + backward 7 times x's bytes).
 
-Usage: python scripts/profile_short_rows.py [--dtype bfloat16] [--compile]
+Usage: python scripts/profile_short_rows.py [--dtype bfloat16] [--compile] [--rms] [--autocast]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -54,11 +56,20 @@ def run_case(name: str, shape: tuple[int, ...], two_d: bool, args: argparse.Name
     if two_d:
         x = x.contiguous(memory_format=torch.channels_last)
     x.requires_grad_()
-    w = torch.randn(C, device="cuda", dtype=dtype, requires_grad=True)
-    b = None if args.rms else torch.randn(C, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn_like(x)
+    pdtype = torch.float32 if args.autocast else dtype
+    w = torch.randn(C, device="cuda", dtype=pdtype, requires_grad=True)
+    b = None if args.rms else torch.randn(C, device="cuda", dtype=pdtype, requires_grad=True)
     leaves = [t for t in (x, w, b) if t is not None]
 
+    def under(fn):  # the call under autocast when asked
+        def call(x, w, b):
+            context = torch.autocast("cuda", dtype) if args.autocast else contextlib.nullcontext()
+            with context:
+                return fn(x, w, b)
+
+        return call
+
+    @under
     def eager(x, w, b):
         if two_d:  # timm's LayerNorm2d: the norm of the channels-last view
             t = x.permute(0, 2, 3, 1)
@@ -66,6 +77,7 @@ def run_case(name: str, shape: tuple[int, ...], two_d: bool, args: argparse.Name
             return t.permute(0, 3, 1, 2)
         return F.rms_norm(x, (C,), w) if args.rms else F.layer_norm(x, (C,), w, b)
 
+    @under
     def ours(x, w, b):
         if two_d:
             return cnt.rms_norm2d(x, w) if args.rms else cnt.layer_norm2d(x, w, b)
@@ -74,8 +86,11 @@ def run_case(name: str, shape: tuple[int, ...], two_d: bool, args: argparse.Name
     fns = {"eager": eager, "cupynorm": ours}
     if args.compile:
         fns["compile"] = torch.compile(eager)
-    err = (ours(x, w, b).float() - eager(x, w, b).float()).abs().max().item()
+    y = ours(x, w, b)
+    err = (y.float() - eager(x, w, b).float()).abs().max().item()
+    dy = torch.randn_like(y)
     nbytes = x.numel() * x.element_size()
+    widen = y.element_size() // x.element_size()  # y and dy float32 beside half x: 2
 
     def forward(fn):
         with torch.no_grad():
@@ -84,7 +99,8 @@ def run_case(name: str, shape: tuple[int, ...], two_d: bool, args: argparse.Name
     def training(fn):
         torch.autograd.grad(fn(x, w, b), leaves, dy)
 
-    for label, moved, step in (("fwd", 2, forward), ("fwd+bwd", 5, training)):
+    moves = (1 + widen, 3 + 2 * widen)  # forward: x, y; backward: x, dy, dx
+    for label, moved, step in zip(("fwd", "fwd+bwd"), moves, (forward, training), strict=True):
         ms = {key: kernel_ms(lambda fn=fn, step=step: step(fn)) for key, fn in fns.items()}
         tbs = moved * nbytes / ms["cupynorm"] / 1e9
         comp = f"{ms['compile']:8.4f}" if "compile" in ms else f"{'-':>8}"
@@ -98,10 +114,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--rms", action="store_true")
+    parser.add_argument("--autocast", action="store_true", help="float32 parameters, autocast")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.dtype}  ", end="")
-    print("RMSNorm" if args.rms else "LayerNorm", "(GPU kernel ms per call)")
+    print("RMSNorm" if args.rms else "LayerNorm", "under autocast" if args.autocast else "", end="")
+    print(" (GPU kernel ms per call)")
     print(f"{'case':>22} {'pass':>8} {'eager':>8} {'compile':>8} {'cupynorm':>9} {'TB/s':>6}")
     for name, shape, two_d in cases():
         run_case(name, shape, two_d, args)
