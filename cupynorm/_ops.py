@@ -944,9 +944,12 @@ def channel_norm_fwd(
     if layout == "other":
         x = bk.contiguous(x)
     if layout == "channels_last" or _plan.prod(spatial) == 1:
+        # keyword arguments as a row norm's call passes them (a replay of these rows builds
+        # its key: cupynorm/torch/_replay.py)
+        extra = {"out_dtype": out_dtype} if out_dtype else {}
         # fmt: off
         y, _sum, mean, rstd = row_norm_fwd(_to_rows(x), None, weight, bias, C, eps, rms,
-                                           want_stats=want_stats, out_dtype=out_dtype)
+                                           want_stats=want_stats, **extra)
         # fmt: on
         y = _to_channels(y)
     else:

@@ -17,7 +17,7 @@ BatchNorm2d, on a tiny 2x3x32x32 input) as torch's, converted by ``cupynorm.torc
 with its norm layers removed: the host time per norm layer inside a model's step, to set beside
 the chain's.
 
-Usage: python scripts/profile_host_cpu.py [act|bn|gn|gnact|ln] [--steps N] [--stack L]
+Usage: python scripts/profile_host_cpu.py [act|bn|gn|gnact|ln|ln2d] [--steps N] [--stack L]
        [--launches driver|none] [--model]
 """
 
@@ -194,6 +194,7 @@ _LAYERS = {
     "gn": lambda: cnt.GroupNorm(32, 64),
     "gnact": lambda: cnt.GroupNormAct(32, 64),
     "ln": lambda: cnt.LayerNorm(64),
+    "ln2d": lambda: cnt.LayerNorm2d(64),
 }
 
 

@@ -681,7 +681,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
     setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
     setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
-    for name in ("group_norm", "group_norm_act", "row_norm"):  # the full Functions' kernels
+    for name in ("group_norm", "group_norm_act", "row_norm", "channel_norm"):  # full Functions
         setattr(_autograd, f"_{name}_fwd", getattr(_kernels, f"_{name}_fwd_cuda"))
         # the backwards pick the CPU's kernel by device (some inside closures made at import)
         setattr(_kernels, f"_{name}_bwd_reference", getattr(_kernels, f"_{name}_bwd_cuda"))
@@ -692,6 +692,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     setattr(functional, "_group_norm_output", output(_kernels._group_norm_fwd_cuda, 0))
     setattr(functional, "_group_norm_act_output", output(_kernels._group_norm_act_fwd_cuda, 0))
     setattr(functional, "_row_norm_output", output(_kernels._row_norm_fwd_cuda, slice(0, 2)))
+    setattr(functional, "_channel_norm_output", output(_kernels._channel_norm_fwd_cuda, 0))
 
 
 @pytest.fixture
@@ -1042,6 +1043,44 @@ def test_group_and_row_norm_calls_are_replayed_with_the_full_paths_launches(eage
     assert replayed_meta == full_meta
 
 
+@pytest.mark.parametrize("make", ["LayerNorm2d", "RMSNorm2d"])
+def test_channel_norms_on_channels_last_are_replayed_as_their_rows(eager, make) -> None:
+    """A channel norm of channels_last input is the row norm of its (N, H, W, C) view: replayed
+    as that (one key, the full path's launches, outputs and gradients of its layouts) under an
+    origin of its own (a validated layer_norm over the same rows does not validate it); on
+    NCHW input it is never replayed."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = getattr(cnt, make)(16)
+    x = torch.rand(2, 16, 5, 7).to(memory_format=torch.channels_last)
+    rows = x.permute(0, 2, 3, 1)
+    dys = [torch.rand_like(x)]  # laid out as x
+    rows_dy = dys[0].permute(0, 2, 3, 1)
+    for _ in range(2):  # a layer_norm over the same rows, validated and replayed
+        layer_norm_y, _ = _norm_step(lambda t: cnt.layer_norm(t, 16), rows, [], [rows_dy])
+    assert _node(layer_norm_y) == "_ReplayFunctionBackward"
+    y, _ = _norm_step(module, x, [], dys)
+    assert _node(y) == "_ChannelNormFunctionBackward"  # the full path: its own checks first
+    _norm_step(module, x, [], dys)  # replayed; the backward binds
+    keys.clear()
+    log.clear()
+    y, replayed_meta = _norm_step(module, x, [], dys)
+    assert _node(y) == "PermuteBackward0"
+    assert type(y.grad_fn.next_functions[0][0]).__name__ == "_ReplayFunctionBackward"
+    assert keys == ["row_norm_fwd"] and y.is_contiguous(memory_format=torch.channels_last)
+    replayed = log[:]
+    _program._PROGRAMS.clear()
+    log.clear()
+    y, full_meta = _norm_step(module, x, [], dys)
+    assert _node(y) == "_ChannelNormFunctionBackward"
+    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
+    assert replayed_meta == full_meta
+    nchw = x.contiguous()
+    for _ in range(3):
+        assert _node(_norm_step(module, nchw, [], [dys[0].contiguous()])[0]) != "PermuteBackward0"
+
+
 @pytest.mark.parametrize("case", ["group_norm-cl", "layer_norm", "add_rms_norm"])
 def test_group_and_row_norm_replays_without_grad_run_the_program_alone(eager, case) -> None:
     log, keys = eager
@@ -1091,6 +1130,7 @@ def test_under_autocast_the_replay_asks_of_the_tensors_before_the_float32_copies
     calls = [
         lambda x: cnt.layer_norm(x, (32,), torch.rand(32)),
         lambda x: cnt.group_norm(x.view(6, 32, 1), 4, torch.rand(32)),
+        lambda x: cnt.layer_norm2d(x.view(6, 32, 1, 1), torch.rand(32)),
     ]
     for call in calls:
         for _ in range(3):  # validated, then replayed

@@ -251,6 +251,16 @@ def _norm_calls(dtype):
             rand(6, 5, 100),
             [],
         ),
+        "layer_norm2d-cl": lambda: (
+            params(cnt.LayerNorm2d(24)).to(dtype),
+            rand(6, 24, 7, 9, fmt=cl),
+            [],
+        ),
+        "rms_norm2d-cl-fp32-params": lambda: (
+            params(cnt.RMSNorm2d(24)),
+            rand(6, 24, 7, 9, fmt=cl),
+            [],
+        ),
         "add_layer_norm": lambda: (
             add(cnt.add_layer_norm, None),
             rand(6, 5, 100),

@@ -903,6 +903,40 @@ def _over_channels(fn, input: Tensor, *args) -> Tensor:
     return y.contiguous(memory_format=fmt)
 
 
+def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float32) -> Tensor:
+    """The route of a channel norm call on cupynorm's kernels (``eps`` None: RMSNorm's default).
+    On channels_last (or one-pixel) input the kernels normalize the contiguous (N, *spatial, C)
+    view's rows: such a call is replayed as that row norm's (:mod:`._replay`; the origin is the
+    function's name: its checks are not layer_norm's over the same rows) once the full path --
+    the checks, then the channel norm Function -- ran it. Under autocast (``to_float32``) as
+    layer_norm: a half-precision input read as is, y in float32."""
+    out_float32 = to_float32 and input.dtype in _HALF and not _traced(input)
+    token = None
+    if input.dim() >= 2 and _replay_candidate((input, weight, bias)):
+        rows = input.permute(0, *range(2, input.dim()), 1)
+        if rows.is_contiguous():
+            tensors = (rows, None, weight, bias)
+            tensors, origin = _kernel_tensors(tensors, name, to_float32, out_float32)
+            x, _r, w, b = tensors
+            key_eps = _default_rms_eps(x) if eps is None else eps
+            # fmt: off
+            y, token = _replay.row_norm(x, None, w, b, (x.shape[-1],), key_eps, rms, False,
+                                        origin, _wants_grad(x, w, b), out_float32)
+            # fmt: on
+            if y is not None:
+                return y.permute(0, y.dim() - 1, *range(1, y.dim() - 1))
+    _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps)
+    if eps is None:
+        eps = _default_rms_eps(input)
+    if to_float32:  # torch's autocast runs the norm in float32
+        weight, bias = _float32(weight, bias)
+        if not out_float32:
+            (input,) = _float32(input)
+    y = _apply_channel_norm(input, weight, bias, eps, rms, out_float32)
+    _replay.validated(token, True, (weight, bias))
+    return y
+
+
 def layer_norm2d(
     input: Tensor,
     weight: Tensor | None = None,
@@ -945,14 +979,10 @@ def layer_norm2d(
     _checks.check_tensor("layer_norm2d", "input", input)
     if not _use_kernels(input):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
-    _checks.check_channel_norm("layer_norm2d", F.layer_norm, input, weight, bias, eps)
-    out_float32 = False
-    if torch.is_autocast_enabled():  # torch's autocast runs layer_norm in float32
-        out_float32 = input.dtype in _HALF and not _traced(input)  # as layer_norm's
-        weight, bias = _float32(weight, bias)
-        if not out_float32:
-            (input,) = _float32(input)
-    return _apply_channel_norm(input, weight, bias, eps, False, out_float32)
+    # fmt: off
+    return _channel_norm_route("layer_norm2d", F.layer_norm, input, weight, bias, eps, False,
+                               torch.is_autocast_enabled())  # as torch's autocast
+    # fmt: on
 
 
 def rms_norm2d(
@@ -988,10 +1018,7 @@ def rms_norm2d(
     _checks.check_tensor("rms_norm2d", "input", input)
     if not _use_kernels(input) or torch.is_autocast_enabled():
         return _over_channels(F.rms_norm, input, weight, eps)
-    _checks.check_channel_norm("rms_norm2d", F.rms_norm, input, weight, None, eps)
-    if eps is None:
-        eps = _default_rms_eps(input)
-    return _apply_channel_norm(input, weight, None, eps, True)
+    return _channel_norm_route("rms_norm2d", F.rms_norm, input, weight, None, eps, True, False)
 
 
 # ---------------------------------------------------------------------------------------------
