@@ -16,8 +16,10 @@ comes again with its tensors on the input's device: the key, one lookup, the pro
 forward's program, :func:`cupynorm._program.call_bound`).
 
 Families: batch norm (plain and fused), group norm (plain and fused), row norms (LayerNorm,
-RMSNorm, their residual forms, Llama's RMSNorm). Their save and backward are in
-:mod:`._autograd` (``_<family>_replay_save``, ``_<family>_replay_grads``).
+RMSNorm, their residual forms, Llama's RMSNorm; LayerNorm2d / RMSNorm2d of channels_last input,
+replayed as the row norm of the (N, *spatial, C) view under the function's name as origin).
+Their save and backward are in :mod:`._autograd` (``_<family>_replay_save``,
+``_<family>_replay_grads``).
 
 Replayed: CUDA tensors, no tracing (``torch.compile``, tensor subclasses, dispatch modes), no
 functorch transform, and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
