@@ -956,6 +956,7 @@ def channel_norm_fwd(
         if out_dtype not in (None, bk.dtype_name(x)):  # the channels family: on a float32 copy
             x = bk.astype(x, out_dtype)
         if _channel_fits(x, weight if weight is not None else bias, C, backward=False):
+            # as the replay of NCHW channel norms keys it (cupynorm/torch/_replay.py)
             y, mean, rstd = _channel_norm_fwd(x, weight, bias, eps, rms, want_stats=want_stats)
         else:  # more channels than one CTA holds: the row norm on a channels-last copy
             rows = bk.contiguous(_to_rows(x))

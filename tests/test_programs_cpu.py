@@ -1047,8 +1047,7 @@ def test_group_and_row_norm_calls_are_replayed_with_the_full_paths_launches(eage
 def test_channel_norms_on_channels_last_are_replayed_as_their_rows(eager, make) -> None:
     """A channel norm of channels_last input is the row norm of its (N, H, W, C) view: replayed
     as that (one key, the full path's launches, outputs and gradients of its layouts) under an
-    origin of its own (a validated layer_norm over the same rows does not validate it); on
-    NCHW input it is never replayed."""
+    origin of its own (a validated layer_norm over the same rows does not validate it)."""
     import cupynorm.torch as cnt
 
     log, keys = eager
@@ -1076,9 +1075,39 @@ def test_channel_norms_on_channels_last_are_replayed_as_their_rows(eager, make) 
     assert _node(y) == "_ChannelNormFunctionBackward"
     assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
     assert replayed_meta == full_meta
-    nchw = x.contiguous()
-    for _ in range(3):
-        assert _node(_norm_step(module, nchw, [], [dys[0].contiguous()])[0]) != "PermuteBackward0"
+
+
+@pytest.mark.parametrize("make", ["LayerNorm2d", "RMSNorm2d"])
+def test_channel_norms_on_nchw_are_replayed_by_the_channels_family(eager, make) -> None:
+    """NCHW input: the channels family's call replayed (the forward's key; the backward takes
+    the full path's route), with the full path's launches, outputs and gradients."""
+    import cupynorm.torch as cnt
+
+    log, keys = eager
+    module = getattr(cnt, make)(16)
+    x = torch.rand(2, 16, 5, 7)
+    dys = [torch.rand_like(x)]
+    y, _ = _norm_step(module, x, [], dys)
+    assert _node(y) == "_ChannelNormFunctionBackward"
+    keys.clear()
+    log.clear()
+    y, replayed_meta = _norm_step(module, x, [], dys)
+    assert _node(y) == "_ReplayFunctionBackward" and keys == [
+        "_channel_norm_fwd",
+        "_channel_norm_bwd",
+    ]
+    replayed = log[:]
+    _program._PROGRAMS.clear()
+    log.clear()
+    y, full_meta = _norm_step(module, x, [], dys)
+    assert _node(y) == "_ChannelNormFunctionBackward"
+    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
+    assert replayed_meta == full_meta
+    with torch.no_grad():
+        module(x)  # validates the no-grad call (a key of its own)
+        keys.clear()
+        y = module(x)
+    assert y.grad_fn is None and keys == ["_channel_norm_fwd"] and y.shape == x.shape
 
 
 @pytest.mark.parametrize("case", ["group_norm-cl", "layer_norm", "add_rms_norm"])

@@ -256,6 +256,11 @@ def _norm_calls(dtype):
             rand(6, 24, 7, 9, fmt=cl),
             [],
         ),
+        "layer_norm2d-nchw": lambda: (
+            params(cnt.LayerNorm2d(24)).to(dtype),
+            rand(6, 24, 7, 9),
+            [],
+        ),
         "rms_norm2d-cl-fp32-params": lambda: (
             params(cnt.RMSNorm2d(24)),
             rand(6, 24, 7, 9, fmt=cl),
@@ -309,6 +314,8 @@ def test_replayed_group_and_row_norm_steps_are_the_full_paths_bit_for_bit(case, 
         pytest.skip("autocast casts half inputs")
     if autocast and "rms_norm" in case and "llama" not in case:
         pytest.skip("rms_norm under autocast is torch's")
+    if autocast and case.endswith("nchw"):
+        pytest.skip("a channel norm of NCHW half input under autocast runs on a copy: no replay")
     torch.manual_seed(0)
     fn, x, extra = _norm_calls(dtype)[case]()
     dys = [torch.randn_like(x), torch.randn_like(x)]

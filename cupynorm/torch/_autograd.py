@@ -523,6 +523,23 @@ def _group_norm_replay_grads(ctx, dy):
     return (dx if needs[0] else None), dweight, dbias, dshift
 
 
+def _channel_norm_replay_save(ctx, call, x, weight, bias, _none, outputs):
+    """Channel norm of NCHW input (the channels family): y; saved as
+    :class:`_ChannelNormFunction` saves. Its backward is the full path's (the backward's route
+    may differ from the forward's: channel_norm_bwd)."""
+    y, mean, rstd = outputs
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.grads = _channel_norm_replay_grads
+    return y
+
+
+def _channel_norm_replay_grads(ctx, dy):
+    """(dx, dweight, dbias, None) of a replayed channel norm."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    return (*_channel_norm_bwd(dy, x, mean, rstd, weight, [needs[0], needs[1], needs[2]]), None)
+
+
 def _row_norm_replay_save(ctx, call, x, residual, weight, bias, outputs):
     """Row norm (LayerNorm / RMSNorm, after a residual add when ``residual`` is given),
     ``call.info`` (row length, cast, normalized shape): y, or (y, sum) with a residual; saved

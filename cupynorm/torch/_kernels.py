@@ -646,6 +646,12 @@ def _row_norm_bwd_fake(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=
 # y and dx keep x's memory format (contiguous, channels_last / channels_last_3d; other strides:
 # contiguous); mean/rstd are (N, *spatial), mean None for RMSNorm; dweight/dbias are (C,).
 # ---------------------------------------------------------------------------------------------
+def _channel_norm_fwd_op_args(x, weight, bias, eps, rms, want_stats):
+    """(args, kwargs) of the host op _channel_norm_fwd, the channels family's (NCHW input whose
+    channels one CTA holds), as channel_norm_fwd calls it (its call key: cupynorm.torch._replay)."""
+    return (x, weight, bias, eps, rms), {"want_stats": want_stats}
+
+
 def _channel_norm_fwd_cuda(x, weight, bias, eps, rms, out_float32=False, want_stats=True):
     x, _fmt = _dense(x)
     out_dtype = "float32" if out_float32 else None

@@ -16,8 +16,9 @@ comes again with its tensors on the input's device: the key, one lookup, the pro
 forward's program, :func:`cupynorm._program.call_bound`).
 
 Families: batch norm (plain and fused), group norm (plain and fused), row norms (LayerNorm,
-RMSNorm, their residual forms, Llama's RMSNorm; LayerNorm2d / RMSNorm2d of channels_last input,
-replayed as the row norm of the (N, *spatial, C) view under the function's name as origin).
+RMSNorm, their residual forms, Llama's RMSNorm), channel norms (LayerNorm2d / RMSNorm2d: NCHW
+input by the channels family; channels_last input replayed as the row norm of its (N, *spatial,
+C) view, under the function's name as origin).
 Their save and backward are in :mod:`._autograd` (``_<family>_replay_save``,
 ``_<family>_replay_grads``).
 
@@ -39,13 +40,19 @@ from cupynorm import _program
 
 from ._autograd import (
     _batch_norm_replay_save,
+    _channel_norm_replay_save,
     _group_norm_replay_save,
     _hooks_active,
     _ReplayFunction,
     _row_norm_replay_save,
     _transforms_active,
 )
-from ._kernels import _batch_norm_fwd_op_args, _group_norm_fwd_op_args, _row_norm_fwd_op_args
+from ._kernels import (
+    _batch_norm_fwd_op_args,
+    _channel_norm_fwd_op_args,
+    _group_norm_fwd_op_args,
+    _row_norm_fwd_op_args,
+)
 
 _unwrap = torch._C._functorch.unwrap_if_dead
 
@@ -149,6 +156,21 @@ def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
     if out is None or grad:
         return out, token
     return (out[0] if residual is None else out[:2]), token
+
+
+def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:
+    """LayerNorm / RMSNorm over dim 1 of contiguous (NCHW) x by the channels family, replayed
+    as :func:`batch_norm`. (channels_last input is the row norm of its channels-last view:
+    :func:`row_norm`.)"""
+    x = _unwrap(x)
+    if grad:
+        weight, bias = (t if t is None else _unwrap(t) for t in (weight, bias))
+    args, kwargs = _channel_norm_fwd_op_args(x, weight, bias, eps, rms, grad)
+    # fmt: off
+    y, token = _run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,
+                    None, (x, weight, bias, None))
+    # fmt: on
+    return (y[0] if y is not None and not grad else y), token
 
 
 def validated(token: Token, as_given: bool, vectors: tuple) -> None:

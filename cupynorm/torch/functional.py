@@ -908,23 +908,32 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
     On channels_last (or one-pixel) input the kernels normalize the contiguous (N, *spatial, C)
     view's rows: such a call is replayed as that row norm's (:mod:`._replay`; the origin is the
     function's name: its checks are not layer_norm's over the same rows) once the full path --
-    the checks, then the channel norm Function -- ran it. Under autocast (``to_float32``) as
-    layer_norm: a half-precision input read as is, y in float32."""
+    the checks, then the channel norm Function -- ran it; on NCHW input, as the channels
+    family's call. Under autocast (``to_float32``) as layer_norm: a half-precision input read
+    as is, y in float32 (NCHW: on a float32 copy, not replayed)."""
     out_float32 = to_float32 and input.dtype in _HALF and not _traced(input)
     token = None
     if input.dim() >= 2 and _replay_candidate((input, weight, bias)):
         rows = input.permute(0, *range(2, input.dim()), 1)
+        key_eps = _default_rms_eps(input) if eps is None else eps
         if rows.is_contiguous():
             tensors = (rows, None, weight, bias)
             tensors, origin = _kernel_tensors(tensors, name, to_float32, out_float32)
             x, _r, w, b = tensors
-            key_eps = _default_rms_eps(x) if eps is None else eps
             # fmt: off
             y, token = _replay.row_norm(x, None, w, b, (x.shape[-1],), key_eps, rms, False,
                                         origin, _wants_grad(x, w, b), out_float32)
             # fmt: on
             if y is not None:
                 return y.permute(0, y.dim() - 1, *range(1, y.dim() - 1))
+        elif input.is_contiguous() and not out_float32:  # NCHW: the channels family
+            tensors = (input, None, weight, bias)
+            tensors, origin = _kernel_tensors(tensors, name, to_float32)
+            x, _r, w, b = tensors
+            grad = _wants_grad(x, w, b)
+            y, token = _replay.channel_norm(x, w, b, key_eps, rms, origin, grad)
+            if y is not None:
+                return y
     _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps)
     if eps is None:
         eps = _default_rms_eps(input)
