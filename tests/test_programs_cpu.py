@@ -1014,6 +1014,19 @@ def _norm_step(fn, x, extra, dys):
     return outs[0], meta
 
 
+def _full_path_after_replay(log, replayed_meta, step):
+    """Drop the programs (their validations go with them) and run ``step`` again, now on the
+    full path: the launches the replay logged (kernel, grid, block, shared memory) and outputs
+    and gradients of the replay's metadata. Returns the full path's output."""
+    replayed = log[:]
+    _program._PROGRAMS.clear()
+    log.clear()
+    y, full_meta = step()
+    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
+    assert replayed_meta == full_meta
+    return y
+
+
 @pytest.mark.parametrize("case", list(_norm_calls()))
 def test_group_and_row_norm_calls_are_replayed_with_the_full_paths_launches(eager, case) -> None:
     """As batch norm's: the first call takes the full path; later calls of the key replay its
@@ -1034,13 +1047,8 @@ def test_group_and_row_norm_calls_are_replayed_with_the_full_paths_launches(eage
     # the sum's gradient is no tensor of the forward's: no bound call then
     assert keys == [forward] + (["row_norm_bwd"] if case.startswith("add") else [])
     assert y.grad_fn.bound is None  # dropped by the backward
-    replayed = log[:]
-    _program._PROGRAMS.clear()  # the validations go with the programs
-    log.clear()
-    y, full_meta = _norm_step(fn, x, extra, dys)
+    y = _full_path_after_replay(log, replayed_meta, lambda: _norm_step(fn, x, extra, dys))
     assert _node(y) != "_ReplayFunctionBackward"
-    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
-    assert replayed_meta == full_meta
 
 
 @pytest.mark.parametrize("make", ["LayerNorm2d", "RMSNorm2d"])
@@ -1068,13 +1076,8 @@ def test_channel_norms_on_channels_last_are_replayed_as_their_rows(eager, make) 
     assert _node(y) == "PermuteBackward0"
     assert type(y.grad_fn.next_functions[0][0]).__name__ == "_ReplayFunctionBackward"
     assert keys == ["row_norm_fwd"] and y.is_contiguous(memory_format=torch.channels_last)
-    replayed = log[:]
-    _program._PROGRAMS.clear()
-    log.clear()
-    y, full_meta = _norm_step(module, x, [], dys)
+    y = _full_path_after_replay(log, replayed_meta, lambda: _norm_step(module, x, [], dys))
     assert _node(y) == "_ChannelNormFunctionBackward"
-    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
-    assert replayed_meta == full_meta
 
 
 @pytest.mark.parametrize("make", ["LayerNorm2d", "RMSNorm2d"])
@@ -1096,13 +1099,8 @@ def test_channel_norms_on_nchw_are_replayed_by_the_channels_family(eager, make) 
         "_channel_norm_fwd",
         "_channel_norm_bwd",
     ]
-    replayed = log[:]
-    _program._PROGRAMS.clear()
-    log.clear()
-    y, full_meta = _norm_step(module, x, [], dys)
+    y = _full_path_after_replay(log, replayed_meta, lambda: _norm_step(module, x, [], dys))
     assert _node(y) == "_ChannelNormFunctionBackward"
-    assert [(k, g, b, s) for k, g, b, s, _ in replayed] == [(k, g, b, s) for k, g, b, s, _ in log]
-    assert replayed_meta == full_meta
     with torch.no_grad():
         module(x)  # validates the no-grad call (a key of its own)
         keys.clear()
