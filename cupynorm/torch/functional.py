@@ -937,10 +937,8 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
     _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps)
     if eps is None:
         eps = _default_rms_eps(input)
-    if to_float32:  # torch's autocast runs the norm in float32
-        weight, bias = _float32(weight, bias)
-        if not out_float32:
-            (input,) = _float32(input)
+    tensors = _kernel_tensors((input, None, weight, bias), None, to_float32, out_float32)[0]
+    input, _r, weight, bias = tensors
     y = _apply_channel_norm(input, weight, bias, eps, rms, out_float32)
     _replay.validated(token, True, (weight, bias))
     return y
