@@ -75,33 +75,30 @@ __device__ __forceinline__ double sigmoid_acc(double t) { return 1.0 / (1.0 + ex
 // ---- vector packs: V elements moved as one access (V * sizeof(scalar_t) <= 16 bytes) ----------
 constexpr int VEC = 16 / sizeof(scalar_t);
 
-template <int V> struct __align__(sizeof(scalar_t) * V) Pack { scalar_t v[V]; };
+// V elements of T moved together: one access of up to 16 bytes, or 16-byte accesses when the
+// pack spans more (the float32 y or dy of autocast beside a 16-byte pack of half x: 32 bytes).
+template <int BYTES> struct PackAlign { static constexpr int value = BYTES < 16 ? BYTES : 16; };
+template <typename T, int V> struct __align__(PackAlign<sizeof(T) * V>::value) PackOf { T v[V]; };
 
-// The out_t values of pack i of scalar_t elements (16 bytes, or 32 for float beside half x):
-// a row norm's y or dy beside its x. One or two 16-byte accesses.
-template <int V> struct __align__(16) OutPack { out_t v[V]; };
+template <int V> using Pack = PackOf<scalar_t, V>;  // V <= VEC: one access
+// The out_t values at the elements of a pack of x: a norm's y or dy beside its x (Pack<V> itself
+// unless out_t is wider).
+template <int V> using OutPack = PackOf<out_t, V>;
 static_assert(sizeof(out_t) >= sizeof(scalar_t), "OUT_T narrower than SCALAR_T");
 
-template <int V>
-__device__ __forceinline__ OutPack<V> load_out_pack(const out_t* __restrict__ p, int64 i) {
-    static_assert(V * sizeof(scalar_t) == 16, "an out pack spans a whole pack of x");
-    return reinterpret_cast<const OutPack<V>*>(p)[i];
+// pack i of V elements from p (Pack<V> from scalar_t, OutPack<V> from out_t)
+template <int V, typename T>
+__device__ __forceinline__ PackOf<T, V> load_pack(const T* __restrict__ p, int64 i) {
+    return reinterpret_cast<const PackOf<T, V>*>(p)[i];
 }
-template <int V>
-__device__ __forceinline__ void store_out_pack(out_t* __restrict__ p, int64 i,
-                                               const OutPack<V>& v) {
-    static_assert(V * sizeof(scalar_t) == 16, "an out pack spans a whole pack of x");
-    reinterpret_cast<OutPack<V>*>(p)[i] = v;
+template <int V, typename T>
+__device__ __forceinline__ void store_pack(T* __restrict__ p, int64 i, const PackOf<T, V>& v) {
+    reinterpret_cast<PackOf<T, V>*>(p)[i] = v;
 }
 
-template <int V>
-__device__ __forceinline__ Pack<V> load_pack(const scalar_t* __restrict__ p, int64 i) {
-    return reinterpret_cast<const Pack<V>*>(p)[i];
-}
-template <int V>
-__device__ __forceinline__ void store_pack(scalar_t* __restrict__ p, int64 i, const Pack<V>& v) {
-    reinterpret_cast<Pack<V>*>(p)[i] = v;
-}
+// Select<B, T, F>::type: T when B, else F
+template <bool B, typename T, typename F> struct Select { typedef T type; };
+template <typename T, typename F> struct Select<false, T, F> { typedef F type; };
 
 // V consecutive per-position parameters (a row norm's weight or bias) from position pos, or
 // `absent` when there are none. One vector load per 16 bytes when the pointer allows it (a

@@ -17,13 +17,13 @@
 // NAME: the activation, prefixed add_ with a residual (also a template parameter: a runtime
 // flag doubled the apply's registers).
 #define FUSED_APPLY(NAME, ACT, RESID)                                                           \
-    extern "C" __global__ void fused_norm_apply_rows_##NAME(APPLY_ROWS_PARAMS) {                \
+    extern "C" __global__ void fused_norm_apply_rows_##NAME(APPLY_ROWS_PARAMS(out_t)) {                \
         if (vectorized)                                                                        \
             apply_rows<VEC, false, ACT, RESID>(APPLY_ROWS_ARGS);                               \
         else                                                                                   \
             apply_rows<1, false, ACT, RESID>(APPLY_ROWS_ARGS);                                 \
     }                                                                                          \
-    extern "C" __global__ void fused_norm_apply_cols_##NAME(APPLY_COLS_PARAMS) {                \
+    extern "C" __global__ void fused_norm_apply_cols_##NAME(APPLY_COLS_PARAMS(out_t)) {                \
         if (vectorized)                                                                        \
             apply_cols<VEC, false, ACT, RESID>(APPLY_COLS_ARGS);                               \
         else                                                                                   \
@@ -36,13 +36,13 @@
 // are ignored and the kernel has ~half the registers: GroupNorm + SiLU NCHW backward 105 -> 79
 // us); the columns entries take it at run time (z, dt null without one): see bwd_sums_cols.
 #define FUSED_SUMS_EPILOGUE_PARAMS                                                              \
-    const scalar_t *__restrict__ z, scalar_t *__restrict__ dt,                                 \
+    const scalar_t *__restrict__ z, out_t *__restrict__ dt,                                    \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                 \
         const acc_t *__restrict__ rstd, const scalar_t *__restrict__ addend
 
 #define FUSED_SUMS_ROWS(NAME, ACT, RESID)                                                       \
     extern "C" __global__ void fused_norm_bwd_sums_rows_##NAME(                                 \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                        \
+        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                           \
         const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 C, int64 S,         \
         int64 sample_stride, int64 chan_stride, int groups, int64 chans_per_group,              \
         int64 tiles_per_plane, int64 tile_len, int vectorized, FUSED_SUMS_EPILOGUE_PARAMS) {    \
@@ -60,7 +60,7 @@
 
 #define FUSED_SUMS_COLS(ACT_NAME, ACT)                                                          \
     extern "C" __global__ void fused_norm_bwd_sums_cols_##ACT_NAME(                             \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,                        \
+        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                           \
         const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 R, int64 C,         \
         int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group,               \
         int64 ctas_per_n, int vectorized, FUSED_SUMS_EPILOGUE_PARAMS) {                         \
@@ -77,13 +77,13 @@
 
 // The dx pass without a residual (bias: the forward's, for t; z unused).
 #define FUSED_DX(NAME, ACT)                                                                     \
-    extern "C" __global__ void fused_norm_bwd_dx_rows_##NAME(APPLY_ROWS_PARAMS) {               \
+    extern "C" __global__ void fused_norm_bwd_dx_rows_##NAME(APPLY_ROWS_PARAMS(scalar_t)) {               \
         if (vectorized)                                                                        \
             apply_rows<VEC, true, ACT>(APPLY_ROWS_ARGS);                                       \
         else                                                                                   \
             apply_rows<1, true, ACT>(APPLY_ROWS_ARGS);                                         \
     }                                                                                          \
-    extern "C" __global__ void fused_norm_bwd_dx_cols_##NAME(APPLY_COLS_PARAMS) {               \
+    extern "C" __global__ void fused_norm_bwd_dx_cols_##NAME(APPLY_COLS_PARAMS(scalar_t)) {               \
         if (vectorized)                                                                        \
             apply_cols<VEC, true, ACT>(APPLY_COLS_ARGS);                                       \
         else                                                                                   \
@@ -100,7 +100,7 @@ FUSED_APPLY(add_silu, ACT_SILU, true)
 // epilogue" in strided_norm.cu): the forward on 16-byte packs of 8 elements only (the host asks
 // for a mask only then), and the backward sums reading the mask instead of the residual (z null)
 // with any packs. Kernels of their own: the mask's code costs the others registers even when off.
-extern "C" __global__ void fused_norm_apply_cols_add_relu_mask(APPLY_COLS_PARAMS,
+extern "C" __global__ void fused_norm_apply_cols_add_relu_mask(APPLY_COLS_PARAMS(out_t),
                                                                unsigned char* relu_mask) {
     if (vectorized && VEC == 8)
         apply_cols<VEC, false, ACT_RELU, true, true>(APPLY_COLS_ARGS, relu_mask);
@@ -109,7 +109,7 @@ extern "C" __global__ void fused_norm_apply_cols_add_relu_mask(APPLY_COLS_PARAMS
 }
 
 extern "C" __global__ void fused_norm_bwd_sums_cols_relu_mask(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy,
     const acc_t* __restrict__ mean, acc_t* __restrict__ partials, int64 R, int64 C,
     int64 row_stride, int64 sample_stride, int groups, int64 chans_per_group, int64 ctas_per_n,
     int vectorized, FUSED_SUMS_EPILOGUE_PARAMS, const unsigned char* __restrict__ relu_mask) {

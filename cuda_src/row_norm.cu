@@ -293,7 +293,7 @@ __device__ __forceinline__ void row_fwd_short(
             for (int j = 0; j < V; ++j)
                 out.v[j] = from_acc<out_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
         }
-        store_out_pack<V>(y + base, p, out);
+        store_pack<V>(y + base, p, out);
     }
 }
 
@@ -355,7 +355,7 @@ __device__ __forceinline__ void row_bwd_short(
             const int p = lane + k * LANES;
             if (live && p < packs) {
                 xc[k] = load_pack<V>(x + base, p);
-                if (HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
+                if (HOLD_DY) dc[k] = load_pack<V>(dy + base, p);
             }
         }
         const acc_t m = live && mean != nullptr ? mean[row] : acc_t(0);
@@ -367,7 +367,7 @@ __device__ __forceinline__ void row_bwd_short(
             if (!live || p >= packs) continue;
             acc_t w[V];
             load_row_params<V>(weight, p * V, acc_t(1), w);
-            if (!HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
+            if (!HOLD_DY) dc[k] = load_pack<V>(dy + base, p);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t g = w[j] * to_acc(dc[k].v[j]);
@@ -385,7 +385,7 @@ __device__ __forceinline__ void row_bwd_short(
             if (p >= packs) continue;
             acc_t g[V];  // recomputed: keeping it beside the dweight / dbias sums costs registers
             load_row_params<V>(weight, p * V, acc_t(1), g);
-            if (!HOLD_DY) dc[k] = load_out_pack<V>(dy + base, p);
+            if (!HOLD_DY) dc[k] = load_pack<V>(dy + base, p);
 #pragma unroll
             for (int j = 0; j < V; ++j) g[j] *= to_acc(dc[k].v[j]);
             row_bwd_pack<V, CAST>(xc[k], dc[k], g, m, rs, mean_g, mean_gx, dsum, dx, base, p,

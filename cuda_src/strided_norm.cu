@@ -431,7 +431,7 @@ __device__ __forceinline__ Coeffs coeffs_of(int64 n, int64 c, const param_t* __r
 
 struct Epilogue {
     const scalar_t* z;         // the residual (part of t) or null
-    scalar_t* dt;              // backward: where the sums pass writes dL/dt, or null (not kept)
+    out_t* dt;                 // backward: where the sums pass writes dL/dt (dy's type), or null
     const unsigned char* mask; // backward, ReLU: the forward's mask (z null then), or null
 };
 
@@ -443,10 +443,12 @@ __device__ __forceinline__ acc_t activate(acc_t t) {
 }
 
 // dy -> dt in place for one pack; x and z (read only when has_z) at the same elements; f the
-// forward's coefficients, so t is computed exactly as the forward computed it.
-template <int V, int ACT>
-__device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, const Pack<V>& z,
-                                                const Coeffs* f, bool has_z) {
+// forward's coefficients, so t is computed exactly as the forward computed it. dt is rounded to
+// dy's type (G): x's, or float32 under autocast, where torch's activation runs in float32.
+template <int V, int ACT, typename G, typename Z>
+__device__ __forceinline__ void activation_grad(PackOf<G, V>& g, const Pack<V>& x,
+                                                const PackOf<Z, V>& z, const Coeffs* f,
+                                                bool has_z) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
         acc_t t = (to_acc(x.v[e]) - f[e].mean) * f[e].a + f[e].b;
@@ -458,7 +460,7 @@ __device__ __forceinline__ void activation_grad(Pack<V>& g, const Pack<V>& x, co
             const acc_t s = sigmoid_acc(t);
             d = d * s * (acc_t(1) + t * (acc_t(1) - s));
         }
-        g.v[e] = from_acc<scalar_t>(d);
+        g.v[e] = from_acc<G>(d);
     }
 }
 
@@ -473,20 +475,38 @@ __device__ __forceinline__ unsigned relu_mask_bits(const unsigned char* __restri
 }
 
 // dy -> dt for one pack from the mask: dy where t > 0, else 0 (activation_grad's ReLU, exactly)
-template <int V>
-__device__ __forceinline__ void relu_mask_grad(Pack<V>& g, unsigned bits) {
+template <int V, typename G>
+__device__ __forceinline__ void relu_mask_grad(PackOf<G, V>& g, unsigned bits) {
 #pragma unroll
     for (int e = 0; e < V; ++e)
-        if (!((bits >> e) & 1u)) g.v[e] = from_acc<scalar_t>(acc_t(0));
+        if (!((bits >> e) & 1u)) g.v[e] = from_acc<G>(acc_t(0));
 }
 
 // forward: other = z (read only when z is given); backward: other = dy. relu_bits (forward with
-// an activation): where the pack's ReLU mask goes (bit e: t > 0), or null.
+// an activation): where the pack's ReLU mask goes (bit e: t > 0), or null. The result is y
+// (out_t) or dx (scalar_t).
+template <bool BACKWARD> struct ApplyTypes {
+    typedef typename Select<BACKWARD, out_t, scalar_t>::type other_t;  // dy, or the residual z
+    typedef typename Select<BACKWARD, scalar_t, out_t>::type result_t;  // dx, or y
+    // dy (BACKWARD) or z: both are kernel arguments, whatever the direction
+    static __device__ __forceinline__ const other_t* other(const out_t* dy, const scalar_t* z);
+};
+template <>
+__device__ __forceinline__ const out_t* ApplyTypes<true>::other(const out_t* dy, const scalar_t*) {
+    return dy;
+}
+template <>
+__device__ __forceinline__ const scalar_t* ApplyTypes<false>::other(const out_t*,
+                                                                    const scalar_t* z) {
+    return z;
+}
+
 template <int V, bool BACKWARD, int ACT>
-__device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& other,
-                                              const Coeffs* f, bool has_z,
-                                              unsigned* relu_bits = nullptr) {
-    Pack<V> out;
+__device__ __forceinline__ PackOf<typename ApplyTypes<BACKWARD>::result_t, V> apply_pack(
+    const Pack<V>& x, const PackOf<typename ApplyTypes<BACKWARD>::other_t, V>& other,
+    const Coeffs* f, bool has_z, unsigned* relu_bits = nullptr) {
+    typedef typename ApplyTypes<BACKWARD>::result_t result_t;
+    PackOf<result_t, V> out;
     if (relu_bits != nullptr) *relu_bits = 0;
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -499,7 +519,7 @@ __device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& o
             if (relu_bits != nullptr) *relu_bits |= static_cast<unsigned>(r > acc_t(0)) << e;
             r = activate<ACT>(r);
         }
-        out.v[e] = from_acc<scalar_t>(r);
+        out.v[e] = from_acc<result_t>(r);
     }
     return out;
 }
@@ -508,8 +528,8 @@ __device__ __forceinline__ Pack<V> apply_pack(const Pack<V>& x, const Pack<V>& o
 // elements of one plane.
 template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
-                                           const scalar_t* __restrict__ dy,
-                                           scalar_t* __restrict__ out,
+                                           const out_t* __restrict__ dy,
+                                           typename ApplyTypes<BACKWARD>::result_t* __restrict__ out,
                                            const param_t* __restrict__ weight,
                                            const param_t* __restrict__ bias,
                                            const acc_t* __restrict__ mean,
@@ -523,7 +543,8 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     const int64 plane = blockIdx.x / tiles_per_plane, tile = blockIdx.x % tiles_per_plane;
     const int64 n = plane / C, c = plane % C;
     // the second operand: dy (backward) or the residual (forward, when there is one)
-    const scalar_t* __restrict__ other = BACKWARD ? dy : z;
+    typedef typename ApplyTypes<BACKWARD>::other_t other_t;
+    const other_t* __restrict__ other = ApplyTypes<BACKWARD>::other(dy, z);
     constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
     // the fused backward without a residual: dy -> dt here too (the forward's coefficients fw)
     constexpr bool grad_act = BACKWARD && ACT != ACT_PLAIN;
@@ -543,7 +564,8 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     const int64 step = blockDim.x;
     int64 q = tile * tile_len / V + threadIdx.x;
     for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
-        Pack<V> p[UNROLL], g[UNROLL];
+        Pack<V> p[UNROLL];
+        PackOf<other_t, V> g[UNROLL];
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             p[i] = load_pack<V>(x + offset, q + i * step);
@@ -558,7 +580,7 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     }
     for (; q < q_end; q += step) {
         const Pack<V> p = load_pack<V>(x + offset, q);
-        Pack<V> g;
+        PackOf<other_t, V> g;
         if (BACKWARD || has_z) g = load_pack<V>(other + offset, q);
         if (grad_act) activation_grad<V, ACT>(g, p, g, fw, false);
         store_pack<V>(out + offset, q, apply_pack<V, BACKWARD, ACT>(p, g, f, has_z));
@@ -569,8 +591,9 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
     x, dy, out, weight, bias, mean, rstd, u, v, C, S, sample_stride, chan_stride, groups,       \
         chans_per_group, tiles_per_plane, tile_len, z, addend
 // z: the fused forward's residual (fused_norm.cu; null and unused elsewhere); addend: see the top
-#define APPLY_ROWS_PARAMS                                                                       \
-    const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
+// OUT: the written tensor's type, out_t (y: the forward) or scalar_t (dx: the backward)
+#define APPLY_ROWS_PARAMS(OUT)                                                                  \
+    const scalar_t *__restrict__ x, const out_t *__restrict__ dy, OUT *__restrict__ out,        \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 C, int64 S,             \
@@ -579,7 +602,7 @@ __device__ __forceinline__ void apply_rows(const scalar_t* __restrict__ x,
         const scalar_t *__restrict__ addend
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
-extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
+extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS(out_t)) {
     if (vectorized)
         apply_rows<VEC, false>(APPLY_ROWS_ARGS);
     else
@@ -588,7 +611,7 @@ extern "C" __global__ void strided_norm_apply_rows(APPLY_ROWS_PARAMS) {
 #endif
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
-extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
+extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS(scalar_t)) {
     if (vectorized)
         apply_rows<VEC, true>(APPLY_ROWS_ARGS);
     else
@@ -602,8 +625,8 @@ extern "C" __global__ void strided_norm_bwd_dx_rows(APPLY_ROWS_PARAMS) {
 // cost the others registers even when off).
 template <int V, bool BACKWARD, int ACT = ACT_PLAIN, bool RESID = false, bool MASK = false>
 __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
-                                           const scalar_t* __restrict__ dy,
-                                           scalar_t* __restrict__ out,
+                                           const out_t* __restrict__ dy,
+                                           typename ApplyTypes<BACKWARD>::result_t* __restrict__ out,
                                            const param_t* __restrict__ weight,
                                            const param_t* __restrict__ bias,
                                            const acc_t* __restrict__ mean,
@@ -616,7 +639,8 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
                                            unsigned char* __restrict__ relu_mask = nullptr) {
     const int64 n = blockIdx.x / ctas_per_n, chunk = blockIdx.x % ctas_per_n;
     const int TY = blockDim.y;
-    const scalar_t* __restrict__ other = BACKWARD ? dy : z;  // as in apply_rows
+    typedef typename ApplyTypes<BACKWARD>::other_t other_t;  // as in apply_rows
+    const other_t* __restrict__ other = ApplyTypes<BACKWARD>::other(dy, z);
     constexpr bool has_z = !BACKWARD && ACT != ACT_PLAIN && RESID;  // a runtime flag: 2x registers
     // the mask's byte of a pack: element (base + r * row_stride + cp * 8) / 8
     constexpr bool masked = MASK && has_z && ACT == ACT_RELU && V == 8;
@@ -643,7 +667,8 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
             const int64 r1 = min(b * block_rows + block_rows, R);
             int64 r = b * block_rows + threadIdx.y;
             for (; r + (COLS_APPLY_UNROLL - 1) * TY < r1; r += COLS_APPLY_UNROLL * TY) {
-                Pack<V> p[COLS_APPLY_UNROLL], g[COLS_APPLY_UNROLL];
+                Pack<V> p[COLS_APPLY_UNROLL];
+                PackOf<other_t, V> g[COLS_APPLY_UNROLL];
 #pragma unroll
                 for (int i = 0; i < COLS_APPLY_UNROLL; ++i) {
                     p[i] = load_pack<V>(x + base + (r + i * TY) * row_stride, cp);
@@ -664,7 +689,7 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
             }
             for (; r < r1; r += TY) {  // the sample's last block may be partial
                 const Pack<V> p = load_pack<V>(x + base + r * row_stride, cp);
-                Pack<V> g;
+                PackOf<other_t, V> g;
                 if (BACKWARD || has_z) g = load_pack<V>(other + base + r * row_stride, cp);
                 if (grad_act) activation_grad<V, ACT>(g, p, g, fw, false);
                 unsigned bits;
@@ -681,8 +706,8 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
 #define APPLY_COLS_ARGS                                                                          \
     x, dy, out, weight, bias, mean, rstd, u, v, R, C, row_stride, sample_stride, groups,         \
         chans_per_group, ctas_per_n, z, addend
-#define APPLY_COLS_PARAMS                                                                        \
-    const scalar_t *__restrict__ x, const scalar_t *__restrict__ dy, scalar_t *__restrict__ out, \
+#define APPLY_COLS_PARAMS(OUT)                                                                   \
+    const scalar_t *__restrict__ x, const out_t *__restrict__ dy, OUT *__restrict__ out,         \
         const param_t *__restrict__ weight, const param_t *__restrict__ bias,                   \
         const acc_t *__restrict__ mean, const acc_t *__restrict__ rstd,                         \
         const acc_t *__restrict__ u, const acc_t *__restrict__ v, int64 R, int64 C,             \
@@ -691,7 +716,7 @@ __device__ __forceinline__ void apply_cols(const scalar_t* __restrict__ x,
         const scalar_t *__restrict__ addend
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
-extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
+extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS(out_t)) {
     if (vectorized)
         apply_cols<VEC, false>(APPLY_COLS_ARGS);
     else
@@ -700,7 +725,7 @@ extern "C" __global__ void strided_norm_apply_cols(APPLY_COLS_PARAMS) {
 #endif
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
-extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
+extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS(scalar_t)) {
     if (vectorized)
         apply_cols<VEC, true>(APPLY_COLS_ARGS);
     else
@@ -726,7 +751,7 @@ extern "C" __global__ void strided_norm_bwd_dx_cols(APPLY_COLS_PARAMS) {
 // t includes it and dt is also written to ep.dt.
 template <int V, int ACT = ACT_PLAIN, bool RESID = false>
 __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
-                                              const scalar_t* __restrict__ dy,
+                                              const out_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
                                               acc_t* __restrict__ partials, int64 C, int64 S,
                                               int64 sample_stride, int64 chan_stride, int groups,
@@ -755,7 +780,8 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     acc_t sdy = 0, sdx = 0;
     int64 q = tile * tile_len / V + threadIdx.x;
     for (; q + (UNROLL - 1) * step < q_end; q += UNROLL * step) {
-        Pack<V> p[UNROLL], g[UNROLL], a[UNROLL];
+        Pack<V> p[UNROLL], a[UNROLL];
+        OutPack<V> g[UNROLL];
 #pragma unroll
         for (int i = 0; i < UNROLL; ++i) {
             p[i] = load_pack<V>(x + offset, q + i * step);
@@ -778,7 +804,8 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
     }
     for (; q < q_end; q += step) {
         const Pack<V> p = load_pack<V>(x + offset, q);
-        Pack<V> g = load_pack<V>(dy + offset, q), a;
+        OutPack<V> g = load_pack<V>(dy + offset, q);
+        Pack<V> a;
         if (ACT != ACT_PLAIN) {
             if (RESID) a = load_pack<V>(aux + offset, q);
             activation_grad<V, ACT>(g, p, a, f, RESID);
@@ -801,7 +828,7 @@ __device__ __forceinline__ void bwd_sums_rows(const scalar_t* __restrict__ x,
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_sums_rows(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 C, int64 S, int64 sample_stride, int64 chan_stride,
     int groups, int64 chans_per_group, int64 tiles_per_plane, int64 tile_len, int vectorized,
     const scalar_t* __restrict__ addend) {
@@ -824,7 +851,7 @@ extern "C" __global__ void strided_norm_bwd_sums_rows(
 // 111 -> 126-131 us; benchmarks/NOTES.md).
 template <int V, int ACT = ACT_PLAIN, bool MASK = false>
 __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
-                                              const scalar_t* __restrict__ dy,
+                                              const out_t* __restrict__ dy,
                                               const acc_t* __restrict__ mean,
                                               acc_t* __restrict__ partials, int64 R, int64 C,
                                               int64 row_stride, int64 sample_stride, int groups,
@@ -863,7 +890,7 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                                             groups, chans_per_group, C, addend);
             }
             // row r's contribution once its packs are loaded (dy turned into dt first when fused)
-            auto add_row = [&](int64 r, const Pack<V>& p, Pack<V> g, const Pack<V>& a,
+            auto add_row = [&](int64 r, const Pack<V>& p, OutPack<V> g, const Pack<V>& a,
                                unsigned bits) {
                 if (ACT != ACT_PLAIN) {
                     if (MASK)
@@ -891,7 +918,8 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
                 const int64 r1 = min(b * block_rows + block_rows, R);
                 int64 r = b * block_rows + ty;
                 for (; r + (ROWS - 1) * TY < r1; r += ROWS * TY) {
-                    Pack<V> p[ROWS], g[ROWS], a[ACT != ACT_PLAIN ? ROWS : 1];
+                    Pack<V> p[ROWS], a[ACT != ACT_PLAIN ? ROWS : 1];
+                    OutPack<V> g[ROWS];
                     unsigned bits[ROWS];
 #pragma unroll
                     for (int i = 0; i < ROWS; ++i) {
@@ -946,7 +974,7 @@ __device__ __forceinline__ void bwd_sums_cols(const scalar_t* __restrict__ x,
 
 #ifndef STRIDED_NORM_DEVICE_ONLY
 extern "C" __global__ void strided_norm_bwd_sums_cols(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, const acc_t* __restrict__ mean,
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy, const acc_t* __restrict__ mean,
     acc_t* __restrict__ partials, int64 R, int64 C, int64 row_stride, int64 sample_stride,
     int groups, int64 chans_per_group, int64 ctas_per_n, int vectorized,
     const scalar_t* __restrict__ addend) {

@@ -107,8 +107,10 @@ class TorchBackend:
     def zeros_int32(self, n: int, like: Any) -> Any:
         return self.torch.zeros(n, dtype=self.torch.int32, device=like.device)
 
-    def empty_strided_like(self, x: Any) -> Any:
-        return self.torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    def empty_strided_like(self, x: Any, dtype: str | None = None) -> Any:
+        """x's shape and strides, in x's dtype or ``dtype``."""
+        dtype = x.dtype if dtype is None else self.from_name[dtype]
+        return self.torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device)
 
     def empty_like(self, x: Any) -> Any:
         """Same shape, dtype and (for dense tensors) strides as x; the cheapest allocation."""
@@ -236,8 +238,9 @@ class CupyBackend:
         with like.device:
             return self.cupy.zeros(n, dtype="int32")
 
-    def empty_strided_like(self, x: Any) -> Any:
-        return self.empty_strided(x.shape, self.strides(x), x.dtype.name, x)
+    def empty_strided_like(self, x: Any, dtype: str | None = None) -> Any:
+        """x's shape and strides, in x's dtype or ``dtype``."""
+        return self.empty_strided(x.shape, self.strides(x), dtype or x.dtype.name, x)
 
     def empty_like(self, x: Any) -> Any:
         return self.empty_strided_like(x)

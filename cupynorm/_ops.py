@@ -67,6 +67,7 @@ def group_norm_fwd(
     want_var: bool = False,
     want_stats: bool = True,
     act: str = "identity",
+    out_dtype: str | None = None,
 ) -> tuple:
     """y, mean (N, G), rstd (N, G)[, var (N, G)] of GroupNorm over x (N, C, *spatial).
 
@@ -76,14 +77,17 @@ def group_norm_fwd(
     pass of the strided family otherwise; see group_norm_act_bwd). ``shift`` ((N, C),
     contiguous, x's dtype): the norm is of s = x + shift[n, c] (a diffusion block's time
     embedding), the sum formed in float32 inside the kernels and never stored; the statistics
-    are s's.
+    are s's. ``out_dtype`` ("float32" beside a float16 / bfloat16 x): y in that dtype, the float32
+    norm of x's values (GroupNorm under autocast) by the strided passes, which read x as it is;
+    the backward then takes dy in that dtype and gives dx in x's.
     """
     call = _Call(x, weight if weight is not None else bias)
+    _set_out_dtype(call, out_dtype)
     x, layout = _prepare(x, call.bk)
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G, Cg = num_groups, x.shape[1] // num_groups
-    y = call.bk.empty_strided_like(x)
+    y = call.bk.empty_strided_like(x, call.out_dtype)
     mean = rstd = None
     if want_stats:
         mean, rstd = call.stats((N, G), x), call.stats((N, G), x)
@@ -98,7 +102,8 @@ def group_norm_fwd(
         seg_len = Cg * S
         aligned = call.aligned(x, y)
         plan = _plan.plan_segment(seg_len, call.itemsize, aligned, call.info)
-        if plan is not None and act in _SEGMENT_ACT_KERNELS:
+        # the on-chip kernels write y in x's dtype
+        if plan is not None and act in _SEGMENT_ACT_KERNELS and call.out_dtype is None:
             kernel = _SEGMENT_ACT_KERNELS[act] + ("_shift" if shift is not None else "")
             # fmt: off
             _segment_launch(call, plan, N * G, x, kernel, (
@@ -129,11 +134,22 @@ _SEGMENT_ACT_KERNELS = {
 }
 
 
+def _set_out_dtype(call: _Call, out_dtype: str | None) -> None:
+    """The call's y (forward) or dy (backward) dtype: x's (None), or float32 beside a float16 /
+    bfloat16 x (autocast's float32 norm of the half-precision values)."""
+    if out_dtype is None or out_dtype == call.dtype:
+        return
+    if out_dtype != "float32" or call.itemsize != 2:
+        raise ValueError(f"y and dy in {out_dtype} beside x in {call.dtype}: only float32 beside "
+                         "float16 or bfloat16")  # fmt: skip
+    call.out_dtype = out_dtype
+
+
 def _match_layout(call: _Call, t: Any, ref: Any) -> Any:
-    """t laid out with ref's strides (a copy only when they differ)."""
+    """t laid out with ref's strides (a copy only when they differ), in t's dtype."""
     if tuple(call.bk.strides(t)) == tuple(call.bk.strides(ref)):
         return t
-    out = call.bk.empty_strided_like(ref)
+    out = call.bk.empty_strided_like(ref, call.bk.dtype_name(t))
     call.bk.copy_into(out, t)
     return out
 
@@ -151,14 +167,17 @@ def group_norm_bwd(
     """(dx, dweight, dbias) of group_norm_fwd; mean/rstd are its (N, G) statistics.
 
     dweight and dbias come in the weight's dtype (float32/float64 accumulators when weight is None).
+    dy in float32 beside a half-precision x: of the forward with that ``out_dtype``.
     """
     call = _Call(x, weight)
+    _set_out_dtype(call, call.bk.dtype_name(dy))
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G = num_groups
-    if layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
+    on_chip = call.out_dtype is None  # the instance kernel reads dy in x's dtype
+    if on_chip and layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
         on_chip = _instance_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, needs_input_grad)
         if on_chip is not None:
             return on_chip
@@ -186,8 +205,10 @@ def group_norm_act_bwd(
     the unfused activation's backward hands it over); nothing of the forward's output is kept.
 
     With the forward's ``shift``, dx is the gradient of s = x + shift (also x's); the shift's
-    own gradient, dx summed over the spatial dims, is the caller's to take."""
+    own gradient, dx summed over the spatial dims, is the caller's to take. dy as in
+    group_norm_bwd."""
     call = _Call(x, weight if weight is not None else bias)
+    _set_out_dtype(call, call.bk.dtype_name(dy))
     x, layout = _prepare(x, call.bk)
     dy = _match_layout(call, dy, x)
     N, C = x.shape[0], x.shape[1]

@@ -184,8 +184,12 @@ class _RecordingBackend:
     def zeros_int32(self, n: int, like: Any) -> Any:
         return self._recording.allocated(self._bk.zeros_int32(n, like), "zeros_int32", (n,))
 
-    def empty_strided_like(self, x: Any) -> Any:
+    def empty_strided_like(self, x: Any, dtype: str | None = None) -> Any:
         bk, recording = self._bk, self._recording
+        if dtype is not None and dtype != bk.dtype_name(x):
+            out = bk.empty_strided_like(x, dtype)
+            args = (tuple(x.shape), tuple(bk.strides(x)), dtype)
+            return recording.allocated(out, "empty_strided", args)
         source = recording.index(x)
         if source is not None and source < recording.n_inputs:
             # replayed as empty_like(that input) where that allocates the same layout

@@ -118,7 +118,7 @@ def _stats_cols(
 
     resident = _compile.resident_ctas(
         call.device, _STRIDED, "strided_norm_stats_cols", call.dtype, call.param_dtype,
-        _plan.COLS_THREADS, smem_bytes(_plan.COLS_THREADS, call.vec, True),
+        _plan.COLS_THREADS, smem_bytes(_plan.COLS_THREADS, call.vec, True), call.out_dtype,
     )  # fmt: skip
     plan = _plan.plan_cols(samples, rows, channels, call.itemsize, aligned, call.info, resident)
     vec = _plan.vec_width(call.itemsize) if plan.vectorized else 1

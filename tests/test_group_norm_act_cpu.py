@@ -14,14 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import timm_norm_act
+from test_layer_norm_cpu import variants  # noqa: F401 - the fixture
+from test_programs_cpu import launches  # noqa: F401 - the fixture
 from torch import nn
 
 import cupynorm
 import cupynorm.torch as cnt
-from cupynorm import InvalidInputError
+from cupynorm import InvalidInputError, _ops
 from cupynorm.torch import _kernels
 
 ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
+FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 CASES = [  # shape, groups, memory format
     ((4, 6, 5, 7), 3, "contiguous"),
     ((3, 6, 5, 7), 2, "channels_last"),
@@ -463,3 +466,115 @@ def test_fuse_time_embedding_on_the_kernel_route_trains_like_torch(kernels):
         g = grads[name].grad
         scale = max(g.abs().max().item(), 1.0)
         assert (p.grad - g).abs().max().item() <= 1e-5 * scale, name
+
+
+# ---- under autocast: float32 y and dy beside the half-precision input ---------------------------
+@pytest.mark.parametrize(
+    "act, shift", [(None, False), ("silu", False), ("silu", True)], ids=["plain", "silu", "shift"]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_kernel_route_under_autocast_is_the_float32_norm(
+    kernel_path, monkeypatch, act, shift, dtype
+):
+    """Under autocast, group_norm (and the fused op) is torch's float32 norm of the input: y in
+    float32 (float64 stays float64), the input's and the shift's gradients in their dtype, the
+    parameters' in theirs; the eager kernels read a half-precision input (and shift) as they
+    are (the custom op, traced, takes float32 copies). The full path, then a replay."""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    read = []
+    reference = _kernels._group_norm_fwd_reference
+
+    def spy(x, *args, **kwargs):
+        read.append(x.dtype)
+        return reference(x, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "_group_norm_fwd_reference", spy)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 8, 5, 7, generator=g) * 2 + 1).to(dtype).requires_grad_()
+    s = (torch.randn(3, 8, generator=g).to(dtype).requires_grad_(),) if shift else ()
+    w, b = (torch.randn(8, generator=g).requires_grad_() for _ in range(2))
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    leaves = [x, w, b, *s]
+    for _ in range(2):
+        read.clear()
+        if act is None:
+            y = cnt.group_norm(x, 4, w, b)
+        else:
+            y = cnt.group_norm_act(x, 4, w, b, activation=act, shift=s[0] if s else None)
+        xs = x.to(compute) + (s[0].to(compute)[:, :, None, None] if s else 0)
+        expected = F.group_norm(xs, 4, w.to(compute), b.to(compute))
+        expected = expected if act is None else F.silu(expected)
+        assert y.dtype == compute
+        if kernel_path == "eager":  # what the eager kernels read
+            assert read == [dtype if dtype in (torch.bfloat16, torch.float16) else compute]
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+        dy = torch.randn(y.shape, generator=g, dtype=y.dtype)
+        got = torch.autograd.grad(y, leaves, dy)
+        want = torch.autograd.grad(expected, leaves, dy)
+        for u, v in zip(got, want, strict=True):
+            assert u.dtype == v.dtype
+            torch.testing.assert_close(u, v, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("act", ["identity", "silu"])
+def test_float32_output_reads_the_half_input_in_the_strided_passes(
+    variants,  # noqa: F811 - the fixture
+    dtype,
+    fmt,
+    act,
+):
+    """GroupNorm under autocast on the host op: the strided passes of the float32-output module
+    variant read x as it is (no conversion, no on-chip kernel, which writes x's dtype) and write
+    float32 y; the backward reads float32 dy and writes dx in x's dtype."""
+    log, seen = variants
+    x = torch.rand(2, 32, 6, 10, dtype=getattr(torch, dtype))
+    x = x.contiguous(memory_format=FORMATS[fmt])
+    w, b = torch.rand(32), torch.rand(32)
+    y, mean, rstd = _ops.group_norm_fwd(x, 8, w, b, 1e-5, act=act, out_dtype="float32")
+    assert y.dtype == torch.float32 and y.stride() == x.stride() and mean.dtype == torch.float32
+    layout = "rows" if fmt == "contiguous" else "cols"
+    fused = act != "identity"
+    apply = f"fused_norm_apply_{layout}_{act}" if fused else f"strided_norm_apply_{layout}"
+    assert [k for k, *_ in seen] == [f"strided_norm_stats_{layout}", "strided_norm_finalize", apply]
+    assert all(v[1:] == (dtype, "float32", "float32") for v in seen)
+    assert log[0][4][0] == x.data_ptr() and log[-1][4][:3] == [x.data_ptr(), 0, y.data_ptr()]
+    seen.clear()
+    dy = torch.rand(y.shape).contiguous(memory_format=FORMATS[fmt])
+    if fused:
+        grads = _ops.group_norm_act_bwd(dy, x, mean, rstd, w, b, 8, (True, True, True), act)
+    else:
+        grads = _ops.group_norm_bwd(dy, x, mean, rstd, w, 8, (True, True, True))
+    dx, dw, db = grads
+    assert (
+        dx.dtype == x.dtype and dx.stride() == x.stride() and dw.dtype == db.dtype == torch.float32
+    )
+    assert all(v[1:] == (dtype, "float32", "float32") for v in seen)
+    prefix = "fused_norm" if fused else "strided_norm"
+    sums, dx_pass = f"bwd_sums_{layout}", f"bwd_dx_{layout}"
+    names = [k for k, *_ in seen]
+    assert names[0].startswith(f"{prefix}_{sums}") and names[-1].startswith(f"{prefix}_{dx_pass}")
+    assert log[-1][4][:3] == [x.data_ptr(), dy.data_ptr(), dx.data_ptr()]
+
+
+def test_float32_output_instance_groups_take_the_strided_backward(variants):  # noqa: F811
+    """One channel per group (G == C) on NCHW: the on-chip instance backward reads dy in x's
+    dtype, so a float32 dy takes the strided passes."""
+    _log, seen = variants
+    x = torch.rand(2, 8, 6, 10, dtype=torch.bfloat16)
+    y, mean, rstd = _ops.group_norm_fwd(x, 8, None, None, 1e-5, out_dtype="float32")
+    seen.clear()
+    _ops.group_norm_bwd(torch.rand(y.shape), x, mean, rstd, None, 8, (True, False, False))
+    assert "segment_norm_bwd_instance" not in [k for k, *_ in seen]
+    assert all(v[1:] == ("bfloat16", None, "float32") for v in seen)
+
+
+def test_float32_output_only_beside_half_precision(launches):  # noqa: F811
+    x = torch.rand(2, 8, 4, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="only float32 beside"):
+        _ops.group_norm_fwd(x, 2, None, None, 1e-5, out_dtype="float64")
+    with pytest.raises(ValueError, match="only float32 beside"):
+        _ops.group_norm_fwd(x.float(), 2, None, None, 1e-5, out_dtype="float64")
+    with pytest.raises(ValueError, match="only float32 beside"):
+        _ops.group_norm_bwd(x.double(), x, None, None, None, 2, (True, False, False))

@@ -529,3 +529,105 @@ def test_group_norm_shift_cupy_functional():
         cupynorm.group_norm_act(x, G, None, None, 1e-5, "silu", shift[:, :32])
     with pytest.raises(InvalidTypeError, match="shift must have the input's dtype"):
         cupynorm.group_norm_act(x, G, None, None, 1e-5, "silu", shift.astype(cupy.float32))
+
+
+# ---- under autocast: the half-precision input read as is, float32 y and dy beside it ----------
+AUTOCAST_CASES = [  # shape, groups, memory format
+    ((4, 320, 8, 8), 32, "channels_last"),  # the diffusion shape, small: packs of 8
+    ((4, 320, 8, 8), 32, "contiguous"),
+    ((3, 12, 7, 9), 4, "channels_last"),  # channels not in packs: one element at a time
+    ((3, 6, 7, 9), 3, "contiguous"),  # odd planes
+    ((2, 64, 9, 11), 64, "contiguous"),  # one channel per group
+    ((2, 4, 130, 131), 2, "contiguous"),  # long groups
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("act", [None, "silu", "shift"])
+@pytest.mark.parametrize(
+    "shape,groups,fmt", AUTOCAST_CASES, ids=[f"{'x'.join(map(str, s))}-g{g}-{f}"
+                                             for s, g, f in AUTOCAST_CASES]
+)  # fmt: skip
+def test_autocast_reads_the_half_input_and_matches_torch(dtype, act, shape, groups, fmt):
+    """Under autocast the norm is float32 (torch's autocast runs group_norm, and the SiLU after
+    it, in float32): y float32, dx in the input's dtype, the parameters' gradients float32, each
+    as close to float64 as torch's own (the kernels read x as it is, where torch reads a float32
+    copy: the same values); dy unaligned (an offset view) in the second call, a replay."""
+    torch.manual_seed(5)
+    C = shape[1]
+    x = _make(shape, dtype, fmt, 3.0).requires_grad_()
+    w = (torch.rand(C, device="cuda") + 0.5).requires_grad_()
+    b = torch.randn(C, device="cuda").requires_grad_()
+    shift = None
+    if act == "shift":
+        shift = torch.randn(shape[0], C, device="cuda", dtype=DTYPES[dtype]).requires_grad_()
+    leaves = [t for t in (x, w, b, shift) if t is not None]
+    spatial = (None,) * (len(shape) - 2)
+
+    def torch_step():
+        xs = x if shift is None else x + shift[(..., *spatial)]
+        y = F.group_norm(xs, groups, w, b)
+        return y if act is None else F.silu(y)
+
+    # float64 copies as leaves: a gradient taken through x.double() would come back rounded
+    # to x's dtype
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, w64, b64 = leaves64[:3]
+    xd = x64 if shift is None else x64 + leaves64[3][(..., *spatial)]
+    exact = F.group_norm(xd, groups, w64, b64)
+    exact = exact if act is None else F.silu(exact)
+    for call in range(2):
+        with torch.autocast("cuda", dtype=DTYPES[dtype]):
+            if act is None:
+                y = cnt.group_norm(x, groups, w, b)
+            else:
+                y = cnt.group_norm_act(x, groups, w, b, shift=shift)
+            ref = torch_step()
+        assert y.dtype == ref.dtype == torch.float32
+        if fmt == "channels_last":
+            assert y.is_contiguous(memory_format=torch.channels_last)
+        # torch's add rounds x + shift to the input's dtype; the kernels' sum is float32
+        assert _err(y, exact) <= _err(ref, exact) + 2e-6
+        dy = (
+            torch.randn(y.numel() + 1, device="cuda")[1:].view(y.shape)
+            if call
+            else torch.randn_like(y)
+        )
+        got = torch.autograd.grad(y, leaves, dy)
+        want = torch.autograd.grad(ref, leaves, dy)
+        exact_grads = torch.autograd.grad(exact, leaves64, dy.double(), retain_graph=True)
+        for ours, theirs, ref64, leaf in zip(got, want, exact_grads, leaves, strict=True):
+            assert ours.dtype == theirs.dtype == leaf.dtype
+            assert not torch.isnan(ours).any()
+            if leaf is shift:  # the sum of dx's rounded values, as torch's is of its dx
+                dims = tuple(range(2, len(shape)))
+                sums = got[0].float().sum(dim=dims)
+                eps = torch.finfo(leaf.dtype).eps  # one rounding of the float32 sum
+                atol = 1e-2 * eps * sums.abs().max().item()
+                torch.testing.assert_close(ours.float(), sums, rtol=eps, atol=atol)
+                continue
+            # one rounding to the leaf's dtype (half an ulp of the largest value at most) after
+            # float32 arithmetic, and as close to float64 as torch's float32 sums in their order
+            half_ulp = 0.5 * torch.finfo(leaf.dtype).eps if leaf.element_size() == 2 else 0.0
+            assert _err(ours, ref64) <= max(1.5 * _err(theirs, ref64), half_ulp) + 2e-6
+
+
+def test_autocast_zero_size_and_poisoned_outputs():
+    """Under autocast: an empty batch gives an empty float32 y and NaN-free gradients; every
+    element of y and dx is written (poisoned memory underneath)."""
+    x = torch.randn(0, 32, 4, 4, device="cuda", dtype=torch.float16, requires_grad=True)
+    m = cnt.GroupNorm(8, 32).cuda()
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = m(x)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    x = _make((3, 40, 7, 5), "bfloat16", "channels_last", 1.0).requires_grad_()
+    poison_torch_allocator()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = cnt.group_norm_act(x, 8, m.weight.new_ones(40), m.bias.new_zeros(40))
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert not torch.isnan(y).any() and not torch.isnan(dx).any()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = F.silu(F.group_norm(x, 8))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5)

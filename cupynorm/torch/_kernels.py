@@ -98,12 +98,18 @@ def _host():
 #     dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
 #     dweight[c] = sum_{n, spatial} dy * xhat,  dbias[c] = sum_{n, spatial} dy
 # ---------------------------------------------------------------------------------------------
-def _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, want_stats) -> tuple:
+def _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, want_stats,
+                            out_float32=False) -> tuple:  # fmt: skip
     """(args, kwargs) of the host op group_norm_fwd: plain group norm (``act`` None) or the
-    fused op (its call key: cupynorm.torch._replay)."""
+    fused op (its call key: cupynorm.torch._replay); ``out_float32``: y in float32 beside a
+    half-precision x (autocast)."""
+    kwargs = {"want_stats": want_stats}
+    if out_float32:
+        kwargs["out_dtype"] = "float32"
     if act is None:
-        return (x, num_groups, weight, bias, eps), {"want_stats": want_stats}
-    return (x, num_groups, weight, bias, eps, shift), {"want_stats": want_stats, "act": act}
+        return (x, num_groups, weight, bias, eps), kwargs
+    kwargs["act"] = act
+    return (x, num_groups, weight, bias, eps, shift), kwargs
 
 
 def _group_norm_fwd_cuda(
@@ -112,11 +118,15 @@ def _group_norm_fwd_cuda(
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float,
+    out_float32: bool = False,
     want_stats: bool = True,
 ):
-    """(y, mean, rstd); without ``want_stats`` (no autograd) mean and rstd are None and the
-    kernels skip them where they can."""
-    return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, want_stats)
+    """(y, mean, rstd); ``out_float32``: y in float32 beside a half x; without ``want_stats``
+    (no autograd) mean and rstd are None and the kernels skip them where they can."""
+    # fmt: off
+    return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, out_float32,
+                                    want_stats)
+    # fmt: on
 
 
 def _group_norm_bwd_cuda(
@@ -145,17 +155,17 @@ def _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask):
     return dx, dweight, dbias
 
 
-def _group_norm_fwd(x, num_groups, weight, bias, eps):
+def _group_norm_fwd(x, num_groups, weight, bias, eps, out_float32=False):
     if x.is_cuda:
-        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps)
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)
+        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, out_float32)
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)
 
 
-def _group_norm_output(x, num_groups, weight, bias, eps) -> Tensor:
+def _group_norm_output(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
     """y alone (no autograd)."""
     if x.is_cuda:
-        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, want_stats=False)[0]
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps)[0]
+        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, out_float32, False)[0]
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)[0]
 
 
 def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
@@ -187,13 +197,15 @@ def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
 # With a shift (N, C) (a diffusion block's time embedding), x + shift[n, c] is normalized (the
 # sum in float32 inside the kernels, never stored) and dx is its gradient; the shift's own
 # gradient, dx summed over the spatial dims, is the autograd layer's (_autograd.py).
-def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, want_stats=True):
+def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False,
+                             want_stats=True):  # fmt: skip
     """(y, mean, rstd) of the fused op (``act`` None: plain group norm, the host op's plain
-    call); without ``want_stats`` mean and rstd may be None."""
+    call); ``out_float32``: y in float32 beside a half-precision x; without ``want_stats`` mean
+    and rstd may be None."""
     x, fmt = _dense(x)
     # fmt: off
     args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, act,
-                                           _vec(shift), want_stats)
+                                           _vec(shift), want_stats, out_float32)
     # fmt: on
     y, mean, rstd = _host().group_norm_fwd(*args, **kwargs)
     return y.contiguous(memory_format=fmt), mean, rstd
@@ -212,20 +224,26 @@ def _group_norm_act_bwd_cuda(
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask)
 
 
-def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift=None):
+def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False):
     if x.is_cuda:
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift)
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)
+        # fmt: off
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
+                                        out_float32)
+        # fmt: on
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
+                                     out_float32=out_float32)  # fmt: skip
 
 
-def _group_norm_act_output(x, num_groups, weight, bias, eps, act, shift=None) -> Tensor:
+def _group_norm_act_output(x, num_groups, weight, bias, eps, act, shift=None,
+                           out_float32=False) -> Tensor:  # fmt: skip
     """y alone (no autograd)."""
     if x.is_cuda:
         # fmt: off
         return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
-                                        want_stats=False)[0]
+                                        out_float32, False)[0]
         # fmt: on
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)[0]
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
+                                     out_float32=out_float32)[0]  # fmt: skip
 
 
 def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act, shift=None):

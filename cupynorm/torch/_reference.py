@@ -89,9 +89,11 @@ def _group_norm_fwd_reference(
     want_var: bool = False,
     act: str = "identity",
     shift: Tensor | None = None,
+    out_float32: bool = False,
 ):
     """Group norm; with ``act`` (the fused op) y = act(group_norm(x)), one rounding; with a
-    ``shift`` (N, C), of x + shift[n, c] (the sum in the statistics' dtype, not rounded)."""
+    ``shift`` (N, C), of x + shift[n, c] (the sum in the statistics' dtype, not rounded);
+    ``out_float32``: y in float32 (beside a half-precision x, autocast's)."""
     n, c = x.shape[0], x.shape[1]
     group_size = (c // num_groups) * math.prod(x.shape[2:])
     xs = _shifted(x, shift).reshape(n, num_groups, group_size)
@@ -99,7 +101,8 @@ def _group_norm_fwd_reference(
     rstd = torch.rsqrt(var + eps)
     xhat = ((xs - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     y = ACTIVATIONS[act](_affine(xhat, weight, bias, _channel_shape(x)))
-    y = y.to(dtype=x.dtype, memory_format=_layout(x) or torch.contiguous_format)
+    dtype = torch.float32 if out_float32 else x.dtype
+    y = y.to(dtype=dtype, memory_format=_layout(x) or torch.contiguous_format)
     return (y, mean, rstd, var) if want_var else (y, mean, rstd)
 
 

@@ -121,15 +121,19 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
     return (y[0] if y is not None and not grad else y), token
 
 
-def group_norm(x, num_groups, weight, bias, eps, act, shift, origin,
-               grad) -> tuple[Tensor | None, Token]:  # fmt: skip
+def group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
+               out_float32=False) -> tuple[Tensor | None, Token]:  # fmt: skip
     """Group norm (``act`` None) or ``act(group_norm(x + shift))`` replayed, as
-    :func:`batch_norm`: the arguments those of the kernels (float32 copies under autocast, the
+    :func:`batch_norm`: the arguments those of the kernels (under autocast float32 copies of the
+    parameters, of x too unless ``out_float32`` (y in float32 beside a half-precision x); the
     ``origin`` saying of what)."""
     x = _unwrap(x)
     if grad:
         weight, bias, shift = (t if t is None else _unwrap(t) for t in (weight, bias, shift))
-    args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad)
+    # fmt: off
+    args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad,
+                                           out_float32)
+    # fmt: on
     # fmt: off
     y, token = _run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
                     (num_groups, act), (x, weight, bias, shift))

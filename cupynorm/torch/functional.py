@@ -122,21 +122,21 @@ def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None, c: Tensor | None 
     )
 
 
-def _apply_group_norm(x, num_groups, weight, bias, eps) -> Tensor:
-    if _traced(x):
+def _apply_group_norm(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
+    if _traced(x):  # never out_float32 (as _apply_row_norm)
         return group_norm_fwd_op(x, num_groups, weight, bias, eps)[0]
     if _wants_grad(x, weight, bias):
-        return _GroupNormFunction.run(x, num_groups, weight, bias, eps)[0]
-    return _group_norm_output(x, num_groups, weight, bias, eps)
+        return _GroupNormFunction.run(x, num_groups, weight, bias, eps, out_float32)[0]
+    return _group_norm_output(x, num_groups, weight, bias, eps, out_float32)
 
 
-def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift) -> Tensor:
+def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift, out_float32=False):
     args = (x, num_groups, weight, bias, eps, act, shift)
-    if _traced(x):
+    if _traced(x):  # never out_float32 (as _apply_row_norm)
         return group_norm_act_fwd_op(*args)[0]
     if _wants_grad(x, weight, bias) or (shift is not None and _wants_grad(shift, None, None)):
-        return _GroupNormActFunction.run(*args)[0]
-    return _group_norm_act_output(*args)
+        return _GroupNormActFunction.run(*args, out_float32)[0]
+    return _group_norm_act_output(*args, out_float32)
 
 
 def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:
@@ -256,19 +256,17 @@ def _apply_channel_norm(x, weight, bias, eps, rms, out_float32=False) -> Tensor:
 
 
 def _kernel_tensors(
-    tensors: tuple, origin: Any, to_float32: bool, keep_input: bool = False
+    tensors: tuple, origin: Any, to_float32: bool, keep: int = 0
 ) -> tuple[tuple, Any]:
     """(the tensors the kernels take, the replay's origin): under autocast (``to_float32``)
-    float32 copies (but the input with ``keep_input``: a kernel reads it as is), and the dtypes
-    they were made from joined to ``origin`` (the checks' verdict is on the tensors before the
-    copies, whose key a call the checks reject may share: an integer input's copy, a bf16
-    input's)."""
+    float32 copies but of the first ``keep`` tensors, which a kernel reads as they are (the
+    input, and a group norm's shift in the input's dtype), and the dtypes they were made from
+    joined to ``origin`` (the checks' verdict is on the tensors before the copies, whose key a
+    call the checks reject may share: an integer input's copy, a bf16 input's)."""
     if not to_float32:
         return tensors, origin
     origin = (origin, *(None if t is None else t.dtype for t in tensors))
-    if keep_input:
-        return (tensors[0], *_float32(*tensors[1:])), origin
-    return _float32(*tensors), origin
+    return (*tensors[:keep], *_float32(*tensors[keep:])), origin
 
 
 def _float32(*tensors: Tensor | None) -> tuple:
@@ -347,17 +345,21 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
     """The route of a group norm call on cupynorm's kernels, plain (``activation`` None) or
     fused: a replay of the same call checked before (:mod:`._replay`), else the checks, then
     the kernels, whose call may be replayed from then on. Under autocast the kernels take
-    float32 copies, as torch's autocast runs group_norm in float32."""
-    tensors = (input, weight, bias, shift)
+    float32 copies of the parameters, as torch's autocast runs group_norm in float32: a
+    half-precision input (and shift) is read as it is, y comes in float32 and dx in the input's
+    dtype (traced calls take a float32 copy of the input, which Inductor fuses)."""
+    tensors = (input, shift, weight, bias)  # the first two: what the kernels may read as is
     autocast = torch.is_autocast_enabled()
+    out_float32 = autocast and input.dtype in _HALF and not _traced(input)
+    keep = 2 if out_float32 else 0
     replay = _replay_candidate(tensors)
     token = None
     if replay:
-        tensors, origin = _kernel_tensors(tensors, None, autocast)
-        x, w, b, s = tensors
+        tensors, origin = _kernel_tensors(tensors, None, autocast, keep)
+        x, s, w, b = tensors
         # fmt: off
         y, token = _replay.group_norm(x, num_groups, w, b, eps, activation, s, origin,
-                                      _wants_grad(x, w, b, s))
+                                      _wants_grad(x, w, b, s), out_float32)
         # fmt: on
         if y is not None:
             return y
@@ -366,12 +368,12 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
         _checks.check_shift("group_norm_act", input, shift)
     _checks.check_group_norm(input, num_groups, weight, bias, eps)
     if not replay:
-        tensors = _kernel_tensors(tensors, None, autocast)[0]
-    x, w, b, s = tensors
+        tensors = _kernel_tensors(tensors, None, autocast, keep)[0]
+    x, s, w, b = tensors
     if activation is None:
-        y = _apply_group_norm(x, num_groups, w, b, eps)
+        y = _apply_group_norm(x, num_groups, w, b, eps, out_float32)
     else:
-        y = _apply_group_norm_act(x, num_groups, w, b, eps, activation, s)
+        y = _apply_group_norm_act(x, num_groups, w, b, eps, activation, s, out_float32)
     _replay.validated(token, _layout(x) is not None, (w, b, s))
     return y
 
@@ -709,7 +711,7 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
     replay = dims is not None and _replay_candidate(tensors)
     token = None
     if replay:
-        tensors, origin = _kernel_tensors(tensors, dims, to_float32, out_float32)
+        tensors, origin = _kernel_tensors(tensors, dims, to_float32, int(out_float32))
         x, r, w, b = tensors
         key_eps = _default_rms_eps(x) if eps is None and rms else eps
         # fmt: off
@@ -724,7 +726,7 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
                                       bias, eps)
         # fmt: on
     if not replay:
-        tensors = _kernel_tensors(tensors, None, to_float32, out_float32)[0]
+        tensors = _kernel_tensors(tensors, None, to_float32, int(out_float32))[0]
     x, r, w, b = tensors
     if eps is None and rms:
         eps = _default_rms_eps(x)
@@ -918,7 +920,7 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
         key_eps = _default_rms_eps(input) if eps is None else eps
         if rows.is_contiguous():
             tensors = (rows, None, weight, bias)
-            tensors, origin = _kernel_tensors(tensors, name, to_float32, out_float32)
+            tensors, origin = _kernel_tensors(tensors, name, to_float32, int(out_float32))
             x, _r, w, b = tensors
             # fmt: off
             y, token = _replay.row_norm(x, None, w, b, (x.shape[-1],), key_eps, rms, False,
@@ -937,7 +939,7 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
     _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps)
     if eps is None:
         eps = _default_rms_eps(input)
-    tensors = _kernel_tensors((input, None, weight, bias), None, to_float32, out_float32)[0]
+    tensors = _kernel_tensors((input, None, weight, bias), None, to_float32, int(out_float32))[0]
     input, _r, weight, bias = tensors
     y = _apply_channel_norm(input, weight, bias, eps, rms, out_float32)
     _replay.validated(token, True, (weight, bias))
