@@ -89,6 +89,17 @@ def main() -> None:
             for inp, d in ((x, dy), (x.to(memory_format=torch.channels_last), dy)):
                 _, m, r = _ops.group_norm_fwd(inp, groups, w, w, 1e-5, shift, act="silu")
                 _ops.group_norm_act_bwd(d, inp, m, r, w, w, groups, (True,) * 3, "silu", shift)
+                if dtype == torch.float16:  # float32 y / dy beside the half input (autocast)
+                    wf = w.float()
+                    y, m, r = _ops.group_norm_fwd(inp, groups, wf, wf, 1e-5, shift, act="silu",
+                                                  out_dtype="float32")  # fmt: skip
+                    ref = F.group_norm(inp.float() + shift.float()[..., None, None], groups, wf, wf)
+                    close(y, F.silu(ref), 1e-4)
+                    df = d.float()
+                    _ops.group_norm_act_bwd(df, inp, m, r, wf, wf, groups, (True,) * 3, "silu",
+                                            shift)  # fmt: skip
+                    _, m, r = _ops.group_norm_fwd(inp, groups, wf, None, 1e-5, out_dtype="float32")
+                    _ops.group_norm_bwd(df, inp, m, r, wf, groups, (True, True, True))
         # the split path: one segment longer than a team holds (GroupNorm(1) of 8 x 512 x 512)
         x = torch.randn(1, 8, 512, 512, device="cuda", dtype=dtype)
         close(cupynorm.group_norm(x, 1), F.group_norm(x.float(), 1), tol * 3)
