@@ -29,6 +29,7 @@ MODEL_NAMES = [
     "gn_blocks_fp16",
     "unet_blocks_fp16",
     "unet_blocks_fp16_cl",
+    "unet_blocks_autocast_fp16_cl",
     "llama_8l_h2048_s2048_b4_bf16",
 ]
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
@@ -52,6 +53,9 @@ def test_model_workloads() -> None:
     assert gn_cl.input_shape == gn.input_shape == (16, 320, 64, 64)
     assert gn_cl.dtype == gn.dtype == "float16" and gn_cl.autocast is None
     assert gn_cl.channels_last and not gn.channels_last
+    unet_amp = by_name["unet_blocks_autocast_fp16_cl"]
+    assert unet_amp.model == "unet_resnet_blocks" and unet_amp.input_shape == gn.input_shape
+    assert unet_amp.dtype == "float32" and unet_amp.autocast == "float16" and unet_amp.channels_last
     llama = by_name["llama_8l_h2048_s2048_b4_bf16"]
     assert llama.input_shape == (4, 2048, 2048) and llama.layers == 8 and llama.dtype == "bfloat16"
     assert llama.convert == "llama_rms_norm" and llama.loss == "token_cross_entropy"
@@ -492,7 +496,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[9/9] unet_blocks_fp16_cl done" in captured.err
+    assert "[10/10] unet_blocks_autocast_fp16_cl done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out

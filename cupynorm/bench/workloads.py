@@ -455,6 +455,11 @@ _UNET_BLOCKS_TITLE = (
     "embedding) training step, fp16, SGD"
 )
 
+_UNET_BLOCKS_AUTOCAST_TITLE = (
+    "4 diffusers-style ResNet blocks with a time embedding (as above; 8 GroupNorm) training step, "
+    "float32 weights under fp16 autocast (how diffusers' training scripts run), SGD"
+)
+
 _LLAMA_TITLE = (
     "transformers LlamaForCausalLM (random init, 8 layers, hidden 2048, 17 LlamaRMSNorm, vocab "
     "32000, fed embeddings) training step, bf16, SGD"
@@ -541,6 +546,16 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         model="unet_resnet_blocks",
         input_shape=_SD_GROUPNORM,
         dtype="float16",
+        channels_last=True,
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
+        name="unet_blocks_autocast_fp16_cl",
+        title=_UNET_BLOCKS_AUTOCAST_TITLE,
+        model="unet_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        autocast="float16",
         channels_last=True,
         loss="mse",
         lr=1e-5,
