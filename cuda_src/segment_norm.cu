@@ -19,6 +19,8 @@
 //     y_i = round(weight[i] * round(x_i * rstd)), two roundings in half precision.
 //   AFFINE_SILU epilogue (GroupNorm + SiLU, the diffusion ResNet block): y_i = silu(t_i) with t_i
 //     the AFFINE value in float32, silu(t) = t * sigmoid(t) (common.cuh), one rounding, of y.
+//   y is out_t: the input's type, or float beside half x (the float32 norm of autocast, in the
+//     OUT_T module variant: GroupNorm's forward entries).
 //   SHIFTED (AFFINE and AFFINE_SILU, the _shift entries): the segment normalized is
 //     s_i = x_i + addend[n, c] (addend (N, C), the diffusion block's time embedding), formed in
 //     acc_t and never stored: in the statistics per element, in the write as part of the bias,
@@ -214,7 +216,7 @@ __device__ __forceinline__ acc_t affine_out(acc_t t) {
 // Normalize a slice from shared memory into y (and write the segment's statistics from rank 0).
 template <int V, int EPILOGUE, bool SHIFTED = false>
 __device__ __forceinline__ void slice_write(
-    const scalar_t* xs, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    const scalar_t* xs, const scalar_t* __restrict__ other, out_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
     int64 seg, int rank, int start, int n, int seg_len, int chan_len, int chans_per_group,
@@ -231,13 +233,13 @@ __device__ __forceinline__ void slice_write(
     const int channel_base = static_cast<int>(seg % groups) * chans_per_group;
     for (int p = threadIdx.x; p < n / V; p += blockDim.x) {
         const Pack<V> xv = *reinterpret_cast<const Pack<V>*>(xs + p * V);
-        Pack<V> out;
+        OutPack<V> out;
         if (EPILOGUE == EPILOGUE_ADD_MUL) {
             const Pack<V> rv = load_pack<V>(other + base, p);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t r = to_acc(rv.v[j]);
-                out.v[j] = from_acc<scalar_t>(((to_acc(xv.v[j]) - mean) * rstd + r) * r);
+                out.v[j] = from_acc<out_t>(((to_acc(xv.v[j]) - mean) * rstd + r) * r);
             }
         } else if (EPILOGUE == EPILOGUE_ROW_CAST) {
             acc_t w[V];
@@ -245,7 +247,7 @@ __device__ __forceinline__ void slice_write(
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd));
-                out.v[j] = from_acc<scalar_t>(w[j] * xhat);
+                out.v[j] = from_acc<out_t>(w[j] * xhat);
             }
         } else if (EPILOGUE == EPILOGUE_ROW) {
             const int pos = start + p * V;  // weight and bias are indexed by position in the row
@@ -254,7 +256,7 @@ __device__ __forceinline__ void slice_write(
             load_row_params<V>(bias, pos, acc_t(0), b);
 #pragma unroll
             for (int j = 0; j < V; ++j)
-                out.v[j] = from_acc<scalar_t>((to_acc(xv.v[j]) - mean) * rstd * w[j] + b[j]);
+                out.v[j] = from_acc<out_t>((to_acc(xv.v[j]) - mean) * rstd * w[j] + b[j]);
         } else {
             // one division per pack; a pack within one channel shares its (a, b)
             const int pos = start + p * V;
@@ -272,7 +274,7 @@ __device__ __forceinline__ void slice_write(
                 const acc_t b = bias_of(c, a);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    out.v[j] = from_acc<scalar_t>(
+                    out.v[j] = from_acc<out_t>(
                         affine_out<EPILOGUE>((to_acc(xv.v[j]) - mean) * a + b));
             } else {
 #pragma unroll
@@ -284,7 +286,7 @@ __device__ __forceinline__ void slice_write(
                     ++within;
                     const acc_t a = weight != nullptr ? rstd * to_acc(weight[c]) : rstd;
                     const acc_t b = bias_of(c, a);
-                    out.v[j] = from_acc<scalar_t>(
+                    out.v[j] = from_acc<out_t>(
                         affine_out<EPILOGUE>((to_acc(xv.v[j]) - mean) * a + b));
                 }
             }
@@ -297,7 +299,7 @@ __device__ __forceinline__ void slice_write(
 template <int V, int EPILOGUE, int STAT = STAT_MEAN_VAR, bool SHIFTED = false>
 __device__ __forceinline__ void segment_norm_fwd(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    scalar_t* __restrict__ sum_out, const scalar_t* __restrict__ other, out_t* __restrict__ y,
     const param_t* __restrict__ weight, const param_t* __restrict__ bias,
     acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out, acc_t* __restrict__ var_out,
     int seg_len, int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,
@@ -345,7 +347,7 @@ __device__ __forceinline__ void segment_norm_fwd(
 // aligned and hold whole packs (host checks pointers, seg_len and slice_len are multiples of VEC).
 #define AFFINE_FWD_ENTRY(NAME, EPILOGUE, SHIFTED)                                                  \
     extern "C" __global__ void NAME(                                                              \
-        const scalar_t* __restrict__ x, scalar_t* __restrict__ y,                                 \
+        const scalar_t* __restrict__ x, out_t* __restrict__ y,                                    \
         const param_t* __restrict__ weight, const param_t* __restrict__ bias,                     \
         acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var, int seg_len, \
         int slice_len, int chan_len, int chans_per_group, int groups, acc_t eps, int team,        \
@@ -369,7 +371,7 @@ AFFINE_FWD_ENTRY(segment_norm_fwd_affine_shift, EPILOGUE_AFFINE, true)
 AFFINE_FWD_ENTRY(segment_norm_fwd_affine_silu_shift, EPILOGUE_AFFINE_SILU, true)
 
 extern "C" __global__ void segment_norm_fwd_add_mul(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, scalar_t* __restrict__ y,
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ other, out_t* __restrict__ y,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int seg_len, int slice_len, acc_t eps,
     int team, int* __restrict__ tickets, acc_t* __restrict__ partials, int vectorized) {
     if (vectorized)
@@ -588,7 +590,7 @@ extern "C" __global__ void segment_norm_bwd_instance(
 #define ROW_FWD_ENTRY(NAME, EPILOGUE, STAT)                                                      \
     extern "C" __global__ void NAME(                                                             \
         const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                   \
-        scalar_t* __restrict__ sum_out, scalar_t* __restrict__ y,                                \
+        scalar_t* __restrict__ sum_out, out_t* __restrict__ y,                                   \
         const param_t* __restrict__ weight, const param_t* __restrict__ bias,                    \
         acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int row_len, int slice_len,          \
         acc_t eps, int team, int* __restrict__ tickets, acc_t* __restrict__ partials,            \

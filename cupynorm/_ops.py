@@ -78,8 +78,8 @@ def group_norm_fwd(
     contiguous, x's dtype): the norm is of s = x + shift[n, c] (a diffusion block's time
     embedding), the sum formed in float32 inside the kernels and never stored; the statistics
     are s's. ``out_dtype`` ("float32" beside a float16 / bfloat16 x): y in that dtype, the float32
-    norm of x's values (GroupNorm under autocast) by the strided passes, which read x as it is;
-    the backward then takes dy in that dtype and gives dx in x's.
+    norm of x's values (GroupNorm under autocast), x read as it is by every kernel; the backward
+    then takes dy in that dtype and gives dx in x's.
     """
     call = _Call(x, weight if weight is not None else bias)
     _set_out_dtype(call, out_dtype)
@@ -102,8 +102,7 @@ def group_norm_fwd(
         seg_len = Cg * S
         aligned = call.aligned(x, y)
         plan = _plan.plan_segment(seg_len, call.itemsize, aligned, call.info)
-        # the on-chip kernels write y in x's dtype
-        if plan is not None and act in _SEGMENT_ACT_KERNELS and call.out_dtype is None:
+        if plan is not None and act in _SEGMENT_ACT_KERNELS:
             kernel = _SEGMENT_ACT_KERNELS[act] + ("_shift" if shift is not None else "")
             # fmt: off
             _segment_launch(call, plan, N * G, x, kernel, (

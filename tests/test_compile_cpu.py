@@ -49,14 +49,15 @@ FLOAT32_OUTPUT_KERNELS = {  # the sources with float32 y / dy beside half x (aut
     "row_norm.cu": ("row_norm_fwd_short_layer_32", "row_norm_bwd_short_4", "row_norm_to_out"),
     "strided_norm.cu": ("strided_norm_apply_cols", "strided_norm_bwd_sums_rows"),
     "fused_norm.cu": ("fused_norm_apply_cols_silu", "fused_norm_bwd_dx_rows_silu"),
+    "segment_norm.cu": ("segment_norm_fwd_affine", "segment_norm_fwd_affine_silu_shift"),
 }
 
 
 @pytest.mark.parametrize("source", list(FLOAT32_OUTPUT_KERNELS))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_float32_output_variant_compiles(source: str, dtype: str) -> None:
-    """float32 y / dy beside half-precision x: LayerNorm (row_norm.cu) and GroupNorm (the
-    strided and fused passes) under autocast."""
+    """float32 y / dy beside half-precision x: LayerNorm (row_norm.cu) and GroupNorm (on chip,
+    the strided and fused passes) under autocast."""
     options = _compile.compile_options(dtype, "float32", "float32")
     assert f"-DOUT_T={_compile.CTYPES['float32']}" in options
     ptx = _compile_ptx(source, options, "compute_90")

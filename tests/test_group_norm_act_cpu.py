@@ -519,15 +519,16 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("act", ["identity", "silu"])
-def test_float32_output_reads_the_half_input_in_the_strided_passes(
+def test_float32_output_reads_the_half_input(
     variants,  # noqa: F811 - the fixture
     dtype,
     fmt,
     act,
 ):
-    """GroupNorm under autocast on the host op: the strided passes of the float32-output module
-    variant read x as it is (no conversion, no on-chip kernel, which writes x's dtype) and write
-    float32 y; the backward reads float32 dy and writes dx in x's dtype."""
+    """GroupNorm under autocast on the host op: the kernels of the float32-output module variant
+    read x as it is (no conversion) and write float32 y -- NCHW groups on chip in one launch,
+    channels_last by the strided passes; the backward reads float32 dy and writes dx in x's
+    dtype."""
     log, seen = variants
     x = torch.rand(2, 32, 6, 10, dtype=getattr(torch, dtype))
     x = x.contiguous(memory_format=FORMATS[fmt])
@@ -536,10 +537,15 @@ def test_float32_output_reads_the_half_input_in_the_strided_passes(
     assert y.dtype == torch.float32 and y.stride() == x.stride() and mean.dtype == torch.float32
     layout = "rows" if fmt == "contiguous" else "cols"
     fused = act != "identity"
-    apply = f"fused_norm_apply_{layout}_{act}" if fused else f"strided_norm_apply_{layout}"
-    assert [k for k, *_ in seen] == [f"strided_norm_stats_{layout}", "strided_norm_finalize", apply]
+    if fmt == "contiguous":
+        on_chip = "segment_norm_fwd_affine" + ("_silu" if fused else "")
+        assert [k for k, *_ in seen] == [on_chip]
+        assert log[0][4][:2] == [x.data_ptr(), y.data_ptr()]
+    else:
+        apply = f"fused_norm_apply_cols_{act}" if fused else "strided_norm_apply_cols"
+        assert [k for k, *_ in seen] == ["strided_norm_stats_cols", "strided_norm_finalize", apply]
+        assert log[0][4][0] == x.data_ptr() and log[-1][4][:3] == [x.data_ptr(), 0, y.data_ptr()]
     assert all(v[1:] == (dtype, "float32", "float32") for v in seen)
-    assert log[0][4][0] == x.data_ptr() and log[-1][4][:3] == [x.data_ptr(), 0, y.data_ptr()]
     seen.clear()
     dy = torch.rand(y.shape).contiguous(memory_format=FORMATS[fmt])
     if fused:

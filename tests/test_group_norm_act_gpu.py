@@ -539,6 +539,7 @@ AUTOCAST_CASES = [  # shape, groups, memory format
     ((3, 6, 7, 9), 3, "contiguous"),  # odd planes
     ((2, 64, 9, 11), 64, "contiguous"),  # one channel per group
     ((2, 4, 130, 131), 2, "contiguous"),  # long groups
+    ((2, 2, 600, 640), 1, "contiguous"),  # a team of CTAs per group
 ]
 
 
@@ -614,7 +615,7 @@ def test_autocast_reads_the_half_input_and_matches_torch(dtype, act, shape, grou
 
 def test_autocast_zero_size_and_poisoned_outputs():
     """Under autocast: an empty batch gives an empty float32 y and NaN-free gradients; every
-    element of y and dx is written (poisoned memory underneath)."""
+    element of y and dx is written (poisoned memory underneath); an input not 16-byte aligned."""
     x = torch.randn(0, 32, 4, 4, device="cuda", dtype=torch.float16, requires_grad=True)
     m = cnt.GroupNorm(8, 32).cuda()
     with torch.autocast("cuda", dtype=torch.float16):
@@ -631,3 +632,16 @@ def test_autocast_zero_size_and_poisoned_outputs():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = F.silu(F.group_norm(x, 8))
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5)
+    # not 16-byte aligned (NCHW: on chip, one element at a time), forward and backward
+    x = torch.randn(3 * 40 * 35 + 1, device="cuda", dtype=torch.float16)[1:].view(3, 40, 7, 5)
+    x.requires_grad_()
+    w = torch.rand(40, device="cuda") + 0.5
+    with torch.autocast("cuda", dtype=torch.float16):
+        y, ref = cnt.group_norm(x, 8, w), F.group_norm(x, 8, w)
+    assert y.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    (dx_ref,) = torch.autograd.grad(ref, x, dy)
+    assert dx.dtype == torch.float16
+    torch.testing.assert_close(dx, dx_ref, rtol=2e-3, atol=2e-3)
