@@ -251,36 +251,45 @@ def test_gradients_are_bitwise_reproducible(layout):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("shape_id", ["odd", "convnext_rows", "many_channels", "huge_c"])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_autocast_matches_torch_and_float64(dtype, shape_id, layout):
-    """Under autocast layer_norm2d is torch's float32 norm of the half input (channels_last
-    rows of whole packs read as is; others on a float32 copy): y float32, dx in x's dtype, both
-    in x's memory format, errors against float64 no larger than torch's own (3x, plus a floor
-    of float32 rounding for y and the parameter gradients, of x's dtype for dx)."""
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_autocast_matches_torch_and_float64(dtype, shape_id, layout, rms):
+    """Under autocast layer_norm2d (rms_norm2d) is torch's float32 norm of the half input
+    (channels_last rows of whole packs read as is; others on a float32 copy): y float32, dx in
+    x's dtype, both in x's memory format, errors against float64 no larger than torch's own (3x,
+    plus a floor of float32 rounding for y and the parameter gradients, of x's dtype for dx)."""
     shape = SHAPES[shape_id]
     C = shape[1]
     x = rand(shape, dtype, LAYOUTS[layout], offset=0.5).requires_grad_()
     w, b = (t.requires_grad_() for t in params(C, dtype, False, fp32_params=True))
+    b = None if rms else b.requires_grad_()
+    w.requires_grad_()
+    leaves = tuple(t for t in (x, w, b) if t is not None)
     dy = torch.randn(shape, device="cuda").contiguous(memory_format=LAYOUTS[layout])
     poison_torch_allocator()
 
-    def timm(x, w, b):  # timm's LayerNorm2d
-        return F.layer_norm(x.permute(0, 2, 3, 1), (C,), w, b).permute(0, 3, 1, 2)
+    def timm(x, w, b):  # timm's LayerNorm2d / RmsNorm2d
+        t = x.permute(0, 2, 3, 1)
+        t = F.rms_norm(t, (C,), w) if rms else F.layer_norm(t, (C,), w, b)
+        return t.permute(0, 3, 1, 2)
+
+    def ours_fn(x, w, b):
+        return cnt.rms_norm2d(x, w) if rms else cnt.layer_norm2d(x, w, b)
 
     results = []
-    for fn in (cnt.layer_norm2d, timm):
+    for fn in (ours_fn, timm):
         with torch.autocast("cuda", dtype=DTYPES[dtype]):
             y = fn(x, w, b)
-        results.append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+        results.append((y, *torch.autograd.grad(y, leaves, dy)))
     ours, theirs = results
     assert ours[0].is_contiguous(memory_format=LAYOUTS[layout])
     assert ours[1].is_contiguous(memory_format=LAYOUTS[layout])
-    xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
-    ref = reference(xd, wd, bd, False, 1e-5)
-    refs = (ref.detach(), *torch.autograd.grad(ref, (xd, wd, bd), dy.double()))
+    doubles = tuple(t.detach().double().requires_grad_() for t in leaves)
+    ref = reference(doubles[0], doubles[1], None if rms else doubles[2], rms, None if rms else 1e-5)
+    refs = (ref.detach(), *torch.autograd.grad(ref, doubles, dy.double()))
     count = x.numel() // C
     floors = (1e-6, GRAD_TOL[dtype], 1e-6 * count, 1e-6 * count)
     for what, a, c, r, floor in zip(
-        ("y", "dx", "dw", "db"), ours, theirs, refs, floors, strict=True
+        ("y", "dx", "dw", "db"), ours, theirs, refs, floors, strict=False
     ):
         assert a.dtype == c.dtype and not torch.isnan(a).any(), what
         err, torch_err = ((t.double() - r).abs().max().item() for t in (a, c))

@@ -17,6 +17,7 @@ from torch import nn
 import cupynorm.torch as cnt
 from cupynorm import _compile, _ops, _plan, _program
 from cupynorm.torch import _autograd, _kernels, _library, _reference
+from cupynorm.torch import functional as cnf
 
 PAIRS = [(cnt.LayerNorm, nn.LayerNorm), (cnt.RMSNorm, nn.RMSNorm)]
 # (input shape, normalized_shape): one-element rows, odd rows, several normalized dims
@@ -106,25 +107,56 @@ def test_kernel_route_module_matches_torch(kernel_path, ours, theirs, shape, nor
         (torch.float64, torch.float64),
     ],
 )
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 def test_kernel_route_under_autocast_is_the_float32_norm(
-    kernel_path, monkeypatch, dtype, param_dtype
+    kernel_path, monkeypatch, dtype, param_dtype, rms
 ):
-    """Under autocast, layer_norm is torch's float32 norm of the input (float64 stays float64):
-    y in that dtype, the input's gradient in the input's dtype, the parameters' in theirs."""
+    """Under autocast, layer_norm (rms_norm, with a torch whose autocast runs it in float32) is
+    torch's float32 norm of the input (float64 stays float64): y in that dtype, the input's
+    gradient in the input's dtype, the parameters' in theirs."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", True)
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(5, 3, 16, generator=g) * 2 + 1).to(dtype).requires_grad_()
     w, b = (torch.randn(16, generator=g).to(param_dtype).requires_grad_() for _ in range(2))
     compute = torch.float64 if dtype == torch.float64 else torch.float32
+    if rms:
+        b = None
     for _ in range(2):  # the full path, then a replay
-        y = cnt.layer_norm(x, (16,), w, b)
-        expected = F.layer_norm(x.to(compute), (16,), w.to(compute), b.to(compute))
+        if rms:
+            y = cnt.rms_norm(x, (16,), w)
+            expected = F.rms_norm(x.to(compute), (16,), w.to(compute))
+        else:
+            y = cnt.layer_norm(x, (16,), w, b)
+            expected = F.layer_norm(x.to(compute), (16,), w.to(compute), b.to(compute))
         assert y.dtype == compute
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
-        got, want = _grads(y, [x, w, b]), _grads(expected, [x, w, b])
+        leaves = [t for t in (x, w, b) if t is not None]
+        got, want = _grads(y, leaves), _grads(expected, leaves)
         for u, v in zip(got, want, strict=True):
             assert u.dtype == v.dtype
             torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-2)
+
+
+def test_rms_norm_under_autocast_is_torchs_call_where_torch_passes_it_through(kernels, monkeypatch):
+    """With a torch whose autocast has no rms_norm kernel, rms_norm and rms_norm2d under autocast
+    are torch's own calls (its dtype rules then), the kernels' route untouched."""
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", False)
+    calls = []
+    rms_norm = F.rms_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return rms_norm(*args, **kwargs)
+
+    monkeypatch.setattr(F, "rms_norm", spy)
+    x = torch.randn(4, 8, 3, 5, dtype=torch.bfloat16)
+    y = cnt.rms_norm(x, (5,))
+    assert y.dtype == torch.bfloat16 and calls == [torch.bfloat16]
+    torch.testing.assert_close(y, rms_norm(x, (5,)), rtol=0, atol=0)
+    y = cnt.rms_norm2d(x)
+    assert y.dtype == torch.bfloat16 and len(calls) == 2
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])

@@ -308,23 +308,31 @@ def _max_err(t, ref):
     ["odd", "short_packs", "one_pack", "short_wide", "unaligned_len", "many_rows_wide", "one_cta"],
 )
 @pytest.mark.parametrize("fp32_params", [True, False], ids=["fp32_params", "half_params"])
-def test_autocast_matches_torch_and_float64(dtype, rows_id, fp32_params):
-    """Under autocast layer_norm is torch's float32 norm of the half input: y float32, dx in the
-    input's dtype, parameter gradients in theirs; errors against float64 no larger than torch's
-    own (a few roundings: 3x its maximum, a floor of one rounding of the dtype for dx); the
-    full path and the replay bit for bit equal."""
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_autocast_matches_torch_and_float64(dtype, rows_id, fp32_params, rms):
+    """Under autocast layer_norm (and rms_norm) is torch's float32 norm of the half input: y
+    float32, dx in the input's dtype, parameter gradients in theirs; errors against float64 no
+    larger than torch's own (a few roundings: 3x its maximum, a floor of one rounding of the
+    dtype for dx); the full path and the replay bit for bit equal. (rms_norm: whatever the
+    installed torch's autocast makes of it, cupynorm's dtypes are torch's.)"""
     rows, D = ROWS[rows_id]
     x = rand((rows, D), dtype, offset=0.5).requires_grad_()
     w, b = (t.requires_grad_() for t in params(D, dtype, False, fp32_params=fp32_params))
+    leaves = (x, w) if rms else (x, w, b)
     dy = torch.randn(rows, D, device="cuda")
     poison_torch_allocator()
+
+    def call(fn, x, w, b):
+        return fn(x, (D,), w, 1e-5) if rms else fn(x, (D,), w, b, 1e-5)
+
     runs = {}
-    for name, fn in (("ours", cnt.layer_norm), ("torch", F.layer_norm)):
+    ours_fn, torch_fn = (cnt.rms_norm, F.rms_norm) if rms else (cnt.layer_norm, F.layer_norm)
+    for name, fn in (("ours", ours_fn), ("torch", torch_fn)):
         runs[name] = []
         for _ in range(2):  # the full path, then the replay
             with torch.autocast("cuda", dtype=DTYPES[dtype]):
-                y = fn(x, (D,), w, b, 1e-5)
-            runs[name].append((y, *torch.autograd.grad(y, (x, w, b), dy)))
+                y = call(fn, x, w, b)
+            runs[name].append((y, *torch.autograd.grad(y, leaves, dy)))
     ours, theirs = runs["ours"], runs["torch"]
     for a, c in zip(ours[0], ours[1], strict=True):
         assert torch.equal(a, c)
@@ -332,11 +340,11 @@ def test_autocast_matches_torch_and_float64(dtype, rows_id, fp32_params):
         assert a.dtype == c.dtype and a.shape == c.shape
         assert not torch.isnan(a).any()
     xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
-    ref = F.layer_norm(xd, (D,), wd, bd, 1e-5)
-    refs = (ref.detach(), *torch.autograd.grad(ref, (xd, wd, bd), dy.double()))
+    ref = call(F.rms_norm if rms else F.layer_norm, xd, wd, bd)
+    refs = (ref.detach(), *torch.autograd.grad(ref, (xd, wd) if rms else (xd, wd, bd), dy.double()))
     floors = (1e-6, GRAD_TOL[dtype], 1e-6 * rows, 1e-6 * rows)
     names = ("y", "dx", "dw", "db")
-    for what, a, c, r, floor in zip(names, ours[0], theirs[0], refs, floors, strict=True):
+    for what, a, c, r, floor in zip(names, ours[0], theirs[0], refs, floors, strict=False):
         assert _max_err(a, r) <= 3 * _max_err(c, r) + floor, what
 
 

@@ -281,6 +281,19 @@ def _float32(*tensors: Tensor | None) -> tuple:
 #: the input dtypes whose float32 LayerNorm under autocast reads the input as is (row_norm.cu)
 _HALF = (torch.float16, torch.bfloat16)
 
+#: Whether the installed torch's CUDA autocast runs rms_norm in float32, as it runs layer_norm
+#: (torch's autocast has a kernel for a norm only on its float32 list); where it does not, an
+#: rms_norm under autocast is torch's own call, whose dtype rules are then torch's.
+_AUTOCAST_RMS_NORM = torch._C._dispatch_has_kernel_for_dispatch_key(
+    "aten::rms_norm", "AutocastCUDA"
+)
+
+
+def _rms_norm_to_torch() -> bool:
+    """Whether an rms_norm call now is torch's own: under autocast when torch's autocast passes
+    rms_norm through (see _AUTOCAST_RMS_NORM)."""
+    return not _AUTOCAST_RMS_NORM and torch.is_autocast_enabled()
+
 
 # ---------------------------------------------------------------------------------------------
 # routing (the host code validates nothing: _checks does, on the kernel route)
@@ -796,8 +809,8 @@ def rms_norm(
         y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} * \gamma
 
     over the trailing ``normalized_shape`` dimensions, accumulated in float32 (float64 for float64
-    input). Under CUDA autocast the call goes to torch's own ``rms_norm`` (whose dtype rules there
-    are torch's).
+    input). Under CUDA autocast the computation runs in float32, as torch's ``rms_norm`` does
+    (with a torch whose autocast passes rms_norm through, the call is torch's own).
 
     Args:
         input: tensor of shape :math:`(*, \text{normalized\_shape})`.
@@ -816,11 +829,11 @@ def rms_norm(
         >>> y = cupynorm.torch.rms_norm(x, 4096, torch.ones(4096, device="cuda"))
     """
     _checks.check_tensor("rms_norm", "input", input)
-    if not _use_kernels(input) or torch.is_autocast_enabled():
+    if not _use_kernels(input) or _rms_norm_to_torch():
         return F.rms_norm(input, normalized_shape, weight, eps)
     # fmt: off
     return _row_norm_route("rms_norm", F.rms_norm, input, None, normalized_shape, weight, None,
-                           eps, True)[0]
+                           eps, True, to_float32=torch.is_autocast_enabled())[0]
     # fmt: on
 
 
@@ -1006,8 +1019,8 @@ def rms_norm2d(
         y_{n,c,s} = \frac{x_{n,c,s}}{\sqrt{\mathrm{E}_c[x_{n,:,s}^2] + \epsilon}} * \gamma_c
 
     accumulated in float32 (float64 for float64 input): :func:`torch.nn.functional.rms_norm`
-    over ``(C,)`` of ``input.movedim(1, -1)``, moved back. Under CUDA autocast the call goes to
-    torch's own ``rms_norm``.
+    over ``(C,)`` of ``input.movedim(1, -1)``, moved back. Under CUDA autocast the computation
+    runs in float32, as :func:`rms_norm`'s.
 
     Args:
         input: tensor of shape :math:`(N, C, *)` (CUDA tensors as :func:`layer_norm2d`).
@@ -1025,9 +1038,12 @@ def rms_norm2d(
         >>> y = cupynorm.torch.rms_norm2d(x, eps=1e-5)
     """
     _checks.check_tensor("rms_norm2d", "input", input)
-    if not _use_kernels(input) or torch.is_autocast_enabled():
+    if not _use_kernels(input) or _rms_norm_to_torch():
         return _over_channels(F.rms_norm, input, weight, eps)
-    return _channel_norm_route("rms_norm2d", F.rms_norm, input, weight, None, eps, True, False)
+    # fmt: off
+    return _channel_norm_route("rms_norm2d", F.rms_norm, input, weight, None, eps, True,
+                               torch.is_autocast_enabled())  # as torch's autocast
+    # fmt: on
 
 
 # ---------------------------------------------------------------------------------------------
