@@ -29,6 +29,7 @@ MODEL_NAMES = [
     "gn_blocks_fp16",
     "unet_blocks_fp16",
     "unet_blocks_fp16_cl",
+    "unet_blocks_autocast_fp16",
     "unet_blocks_autocast_fp16_cl",
     "llama_8l_h2048_s2048_b4_bf16",
 ]
@@ -56,6 +57,7 @@ def test_model_workloads() -> None:
     unet_amp = by_name["unet_blocks_autocast_fp16_cl"]
     assert unet_amp.model == "unet_resnet_blocks" and unet_amp.input_shape == gn.input_shape
     assert unet_amp.dtype == "float32" and unet_amp.autocast == "float16" and unet_amp.channels_last
+    assert not by_name["unet_blocks_autocast_fp16"].channels_last
     llama = by_name["llama_8l_h2048_s2048_b4_bf16"]
     assert llama.input_shape == (4, 2048, 2048) and llama.layers == 8 and llama.dtype == "bfloat16"
     assert llama.convert == "llama_rms_norm" and llama.loss == "token_cross_entropy"
@@ -496,7 +498,7 @@ def test_models_dry_run_end_to_end(models_dry_run, tmp_path: Path, capsys) -> No
     after = vars(torch.cuda)
     assert [name for name, value in before.items() if after.get(name) is not value] == []
 
-    assert "[10/10] unet_blocks_autocast_fp16_cl done" in captured.err
+    assert "[11/11] unet_blocks_autocast_fp16_cl done" in captured.err
     assert "accuracy vs float64 (batch 2)" in captured.err and ": ok" in captured.err
     assert "| workload |" not in captured.out  # no kernel workloads: no kernel table
     assert "Models: whole training steps" in captured.out

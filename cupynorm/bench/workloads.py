@@ -551,6 +551,15 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         lr=1e-5,
     ),
     ModelWorkload(
+        name="unet_blocks_autocast_fp16",
+        title=_UNET_BLOCKS_AUTOCAST_TITLE,
+        model="unet_resnet_blocks",
+        input_shape=_SD_GROUPNORM,
+        autocast="float16",
+        loss="mse",
+        lr=1e-5,
+    ),
+    ModelWorkload(
         name="unet_blocks_autocast_fp16_cl",
         title=_UNET_BLOCKS_AUTOCAST_TITLE,
         model="unet_resnet_blocks",
