@@ -348,6 +348,38 @@ def test_autocast_matches_torch_and_float64(dtype, rows_id, fp32_params, rms):
         assert _max_err(a, r) <= 3 * _max_err(c, r) + floor, what
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows_id", ["short_packs", "short_wide", "odd", "many_rows_wide"])
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_float32_output_op_matches_float64(dtype, rows_id, rms):
+    """The host op with float32 y / dy beside the half input (what the torch layer runs under
+    autocast; RMSNorm's only with a torch whose autocast runs rms_norm in float32, so asked of
+    the op here): y and the parameter gradients within float32 rounding of float64, dx within
+    one rounding of x's dtype."""
+    from cupynorm import _ops
+
+    rows, D = ROWS[rows_id]
+    x = rand((rows, D), dtype, offset=0.5)
+    w, b = params(D, dtype, rms, fp32_params=True)
+    dy = torch.randn(rows, D, device="cuda")
+    poison_torch_allocator()
+    y, _, mean, rstd = _ops.row_norm_fwd(x, None, w, b, D, 1e-5, rms, out_dtype="float32")
+    needs = (True, True, not rms)
+    dx, dw, db = _ops.row_norm_bwd(dy, None, x, mean, rstd, w, D, needs)
+    assert y.dtype == dw.dtype == torch.float32 and dx.dtype == x.dtype
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    bd = None if rms else b.double().requires_grad_()
+    ref = F.rms_norm(xd, (D,), wd, 1e-5) if rms else F.layer_norm(xd, (D,), wd, bd, 1e-5)
+    leaves = (xd, wd) if rms else (xd, wd, bd)
+    refs = (ref.detach(), *torch.autograd.grad(ref, leaves, dy.double()))
+    ours = (y, dx, dw) if rms else (y, dx, dw, db)
+    tols = (1e-5, GRAD_TOL[dtype], 1e-5, 1e-5)
+    for what, a, r, tol in zip(("y", "dx", "dw", "db"), ours, refs, tols, strict=False):
+        assert not torch.isnan(a).any(), what
+        err = (a.double() - r).abs().max().item() / (r.abs().max().item() + 1e-30)
+        assert err <= tol, f"{what}: {err:.2e} > {tol:.0e}"
+
+
 def test_autocast_keeps_misaligned_zero_size_and_float64_inputs():
     """Under autocast: an input not 16-byte aligned (the float32 path on a copy), zero rows, and
     float64 input (autocast leaves it float64) give torch's dtypes and values."""
