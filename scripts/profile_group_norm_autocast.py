@@ -21,22 +21,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_short_rows import kernel_ms  # noqa: E402 - GPU kernel ms per call
+
 import cupynorm.torch as cnt  # noqa: E402
-from cupynorm.bench import timing  # noqa: E402
 
-CALLS = 5
 GROUPS = 32
-
-
-def kernel_ms(fn) -> float:
-    """GPU kernel time per call of ``fn``, summed over its kernels."""
-    fn()
-    torch.cuda.synchronize()
-    with timing.cuda.profile() as profiler:
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-    return sum(us for _name, us in timing.cuda.kernel_events(profiler)) / CALLS / 1e3
 
 
 def run_case(shape, fmt: str, kind: str, dtype: torch.dtype) -> None:
