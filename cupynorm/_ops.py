@@ -175,8 +175,8 @@ def group_norm_bwd(
     N, C = x.shape[0], x.shape[1]
     S = _plan.prod(tuple(x.shape[2:]))
     G = num_groups
-    on_chip = call.out_dtype is None  # the instance kernel reads dy in x's dtype
-    if on_chip and layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
+    same_dtype = call.out_dtype is None  # the on-chip instance kernel reads dy in x's dtype
+    if same_dtype and layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
         on_chip = _instance_bwd_on_chip(call, dy, x, mean, rstd, weight, N, C, S, needs_input_grad)
         if on_chip is not None:
             return on_chip
