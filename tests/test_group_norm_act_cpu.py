@@ -478,8 +478,8 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
 ):
     """Under autocast, group_norm (and the fused op) is torch's float32 norm of the input: y in
     float32 (float64 stays float64), the input's and the shift's gradients in their dtype, the
-    parameters' in theirs; the eager kernels read a half-precision input (and shift) as they
-    are (the custom op, traced, takes float32 copies). The full path, then a replay."""
+    parameters' in theirs; the kernels read a half-precision input (and shift) as they are, the
+    eager Functions and the custom ops (traced) alike. The full path, then a replay."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
     read = []
     reference = _kernels._group_norm_fwd_reference
@@ -505,8 +505,8 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
         expected = F.group_norm(xs, 4, w.to(compute), b.to(compute))
         expected = expected if act is None else F.silu(expected)
         assert y.dtype == compute
-        if kernel_path == "eager":  # what the eager kernels read
-            assert read == [dtype if dtype in (torch.bfloat16, torch.float16) else compute]
+        # what the kernels read (the custom op's too: its half input, no cast before it)
+        assert read == [dtype if dtype in (torch.bfloat16, torch.float16) else compute]
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
         dy = torch.randn(y.shape, generator=g, dtype=y.dtype)
         got = torch.autograd.grad(y, leaves, dy)
@@ -574,6 +574,30 @@ def test_float32_output_instance_groups_take_the_strided_backward(variants):  # 
     _ops.group_norm_bwd(torch.rand(y.shape), x, mean, rstd, None, 8, (True, False, False))
     assert "segment_norm_bwd_instance" not in [k for k, *_ in seen]
     assert all(v[1:] == ("bfloat16", None, "float32") for v in seen)
+
+
+@pytest.mark.parametrize("act", [None, "silu"], ids=["plain", "silu"])
+def test_float32_output_ops_fake_kernels_and_opcheck(act):
+    """The custom ops with out_float32 (what a traced call under autocast runs): the fake
+    kernels give the real outputs' metadata (a float32 y beside bf16 x) and torch's opcheck
+    passes, gradients included."""
+    from cupynorm.torch import _library
+
+    g = torch.Generator().manual_seed(12)
+    x = _input((3, 6, 5, 7), "channels_last", torch.bfloat16, g).requires_grad_()
+    w, b = (torch.randn(6, generator=g).requires_grad_() for _ in range(2))
+    if act is None:
+        op, args = _library.group_norm_fwd_op, (x, 3, w, b, 1e-5, True)
+        real = _kernels._group_norm_fwd(x, 3, w, b, 1e-5, True)
+        fake = _kernels._group_norm_fwd_fake(*args)
+    else:
+        op, args = _library.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, act, None, True)
+        real = _kernels._group_norm_act_fwd(*args)
+        fake = _kernels._group_norm_act_fwd_fake(*args)
+    assert real[0].dtype == torch.float32
+    for r, f in zip(real, fake, strict=True):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+    torch.library.opcheck(op, args)
 
 
 def test_float32_output_only_beside_half_precision(launches):  # noqa: F811

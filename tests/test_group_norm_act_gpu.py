@@ -645,3 +645,33 @@ def test_autocast_zero_size_and_poisoned_outputs():
     (dx_ref,) = torch.autograd.grad(ref, x, dy)
     assert dx.dtype == torch.float16
     torch.testing.assert_close(dx, dx_ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("fmt", ["contiguous", "channels_last"])
+def test_autocast_compiled_matches_eager(fmt):
+    """torch.compile(fullgraph) of GroupNorm + SiLU with a shift under fp16 autocast: the custom
+    op takes the half input as the eager Function does (float32 y, dx in fp16), and matches the
+    eager call and torch's own."""
+    torch.manual_seed(7)
+    m = cnt.GroupNormAct(8, 64).cuda()
+    x = _make((4, 64, 9, 11), "float16", fmt, 1.0).requires_grad_()
+    shift = torch.randn(4, 64, device="cuda", dtype=torch.float16)
+
+    def step(module):
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = module(x, shift)
+        (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        return y, dx
+
+    compiled = torch.compile(copy.deepcopy(m), fullgraph=True)
+    try:
+        y_c, dx_c = step(compiled)
+    finally:
+        torch._dynamo.reset()
+    y_e, dx_e = step(m)
+    assert y_c.dtype == y_e.dtype == torch.float32 and dx_c.dtype == dx_e.dtype == torch.float16
+    torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx_c, dx_e, rtol=2e-3, atol=2e-3)
+    with torch.autocast("cuda", dtype=torch.float16):
+        ref = F.silu(F.group_norm(x + shift[:, :, None, None], 8, m.weight, m.bias, m.eps))
+    torch.testing.assert_close(y_c, ref, rtol=2e-3, atol=2e-3)

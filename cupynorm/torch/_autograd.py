@@ -43,7 +43,7 @@ from ._kernels import (
 # `bwd` is the backward op (traceable, for the custom ops) or the kernel itself (eager).
 # ---------------------------------------------------------------------------------------------
 def _group_norm_setup(ctx, inputs, output) -> None:
-    x, num_groups, weight, _bias, _eps = inputs
+    x, num_groups, weight = inputs[:3]  # [..., bias, eps, out_float32]
     _y, mean, rstd = output
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.num_groups = num_groups

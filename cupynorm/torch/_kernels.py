@@ -71,9 +71,11 @@ def _write_back(running: Tensor | None, updated: Tensor | None) -> None:
         running.copy_(updated)
 
 
-def _empty_out(x: Tensor) -> Tensor:
-    """Output/dx allocation matching what the kernels return for input ``x`` (fake kernels)."""
-    return torch.empty_like(x, memory_format=_layout(x) or torch.contiguous_format)
+def _empty_out(x: Tensor, out_float32: bool = False) -> Tensor:
+    """Output/dx allocation matching what the kernels return for input ``x`` (fake kernels);
+    ``out_float32``: a float32 y (autocast's norm of a half-precision x)."""
+    dtype = torch.float32 if out_float32 else x.dtype
+    return torch.empty_like(x, dtype=dtype, memory_format=_layout(x) or torch.contiguous_format)
 
 
 _host_module = None
@@ -174,9 +176,14 @@ def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
     return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask)
 
 
-def _group_norm_fwd_fake(x, num_groups, weight, bias, eps):
+def _group_norm_fwd_reference_op(x, num_groups, weight, bias, eps, out_float32=False):
+    """The op's CPU kernel."""
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)
+
+
+def _group_norm_fwd_fake(x, num_groups, weight, bias, eps, out_float32=False):
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stat_dtype(x.dtype))
-    return _empty_out(x), stats, torch.empty_like(stats)
+    return _empty_out(x, out_float32), stats, torch.empty_like(stats)
 
 
 def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
@@ -246,9 +253,13 @@ def _group_norm_act_output(x, num_groups, weight, bias, eps, act, shift=None,
                                      out_float32=out_float32)[0]  # fmt: skip
 
 
-def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act, shift=None):
+def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act, shift=None,
+                                     out_float32=False):  # fmt: skip
     """The op's CPU kernel."""
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift)
+    # fmt: off
+    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
+                                     out_float32=out_float32)
+    # fmt: on
 
 
 def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None):
@@ -258,8 +269,8 @@ def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask
     return _group_norm_act_bwd_reference(*args)
 
 
-def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act, shift=None):
-    return _group_norm_fwd_fake(x, num_groups, weight, bias, eps)
+def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False):
+    return _group_norm_fwd_fake(x, num_groups, weight, bias, eps, out_float32)
 
 
 def _group_norm_act_bwd_fake(

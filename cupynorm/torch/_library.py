@@ -1,10 +1,12 @@
 """The cupynorm custom ops (``torch.ops.cupynorm.*``): schemas, kernels per device, fake kernels
 and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the graph::
 
-    group_norm_fwd(x, num_groups, weight?, bias?, eps) -> (y, mean, rstd)
+    group_norm_fwd(x, num_groups, weight?, bias?, eps, out_float32=False) -> (y, mean, rstd)
+        # out_float32: y in float32 beside a half-precision x (autocast's float32 norm)
     group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
         -> (dx?, dweight?, dbias?)
-    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act, shift?=None) -> (y, mean, rstd)
+    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act, shift?=None, out_float32=False)
+        -> (y, mean, rstd)
         # y = act(group_norm(x + shift[n, c]))
     group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act,
                        shift?=None) -> (dx?, dweight?, dbias?)
@@ -78,6 +80,7 @@ from ._kernels import (
     _group_norm_bwd_cuda,
     _group_norm_fwd_cuda,
     _group_norm_fwd_fake,
+    _group_norm_fwd_reference_op,
     _instance_norm_fwd_cuda,
     _instance_norm_fwd_fake,
     _instance_norm_fwd_op_kernel,
@@ -99,7 +102,6 @@ from ._reference import (
     _channel_norm_fwd_reference,
     _group_norm_act_bwd_reference,
     _group_norm_bwd_reference,
-    _group_norm_fwd_reference,
     _instance_norm_fwd_reference,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
@@ -114,8 +116,8 @@ _lib = torch.library.Library("cupynorm", "FRAGMENT")
 
 _SCHEMAS = {
     "group_norm_fwd": (
-        "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps)"
-        " -> (Tensor, Tensor, Tensor)"
+        "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
+        " bool out_float32=False) -> (Tensor, Tensor, Tensor)"
     ),
     "group_norm_bwd": (
         "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
@@ -123,7 +125,7 @@ _SCHEMAS = {
     ),
     "group_norm_act_fwd": (
         "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " str act, Tensor? shift=None) -> (Tensor, Tensor, Tensor)"
+        " str act, Tensor? shift=None, bool out_float32=False) -> (Tensor, Tensor, Tensor)"
     ),
     "group_norm_act_bwd": (
         "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
@@ -182,7 +184,7 @@ _SCHEMAS = {
 
 # name: (CUDA kernel, CPU kernel, fake kernel)
 _KERNELS = {
-    "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference, _group_norm_fwd_fake),
+    "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference_op, _group_norm_fwd_fake),
     "group_norm_bwd": (_group_norm_bwd_cuda, _group_norm_bwd_reference, _norm_bwd_fake),
     "group_norm_act_fwd": (
         _group_norm_act_fwd_cuda,
@@ -265,7 +267,7 @@ channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
 
 # each forward op's autograd: (op, backward, setup_context)
 for _name, _backward, _setup in (
-    ("group_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 5, 2), _group_norm_setup),
+    ("group_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_setup),
     (
         "group_norm_act_fwd",
         _make_group_norm_act_backward(group_norm_act_bwd_op),

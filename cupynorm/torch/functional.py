@@ -123,8 +123,8 @@ def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None, c: Tensor | None 
 
 
 def _apply_group_norm(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
-    if _traced(x):  # never out_float32 (as _apply_row_norm)
-        return group_norm_fwd_op(x, num_groups, weight, bias, eps)[0]
+    if _traced(x):
+        return group_norm_fwd_op(x, num_groups, weight, bias, eps, out_float32)[0]
     if _wants_grad(x, weight, bias):
         return _GroupNormFunction.run(x, num_groups, weight, bias, eps, out_float32)[0]
     return _group_norm_output(x, num_groups, weight, bias, eps, out_float32)
@@ -132,8 +132,8 @@ def _apply_group_norm(x, num_groups, weight, bias, eps, out_float32=False) -> Te
 
 def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift, out_float32=False):
     args = (x, num_groups, weight, bias, eps, act, shift)
-    if _traced(x):  # never out_float32 (as _apply_row_norm)
-        return group_norm_act_fwd_op(*args)[0]
+    if _traced(x):
+        return group_norm_act_fwd_op(*args, out_float32)[0]
     if _wants_grad(x, weight, bias) or (shift is not None and _wants_grad(shift, None, None)):
         return _GroupNormActFunction.run(*args, out_float32)[0]
     return _group_norm_act_output(*args, out_float32)
@@ -360,10 +360,11 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
     the kernels, whose call may be replayed from then on. Under autocast the kernels take
     float32 copies of the parameters, as torch's autocast runs group_norm in float32: a
     half-precision input (and shift) is read as it is, y comes in float32 and dx in the input's
-    dtype (traced calls take a float32 copy of the input, which Inductor fuses)."""
+    dtype, traced calls too (the op takes the half input: no cast kernel before it, none after
+    its backward)."""
     tensors = (input, shift, weight, bias)  # the first two: what the kernels may read as is
     autocast = torch.is_autocast_enabled()
-    out_float32 = autocast and input.dtype in _HALF and not _traced(input)
+    out_float32 = autocast and input.dtype in _HALF
     keep = 2 if out_float32 else 0
     replay = _replay_candidate(tensors)
     token = None
