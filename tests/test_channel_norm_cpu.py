@@ -109,6 +109,8 @@ def _op_samples():
     return [
         ("ln", fwd, (x, r(5), r(5), 1e-5, False)),
         ("rms_cl", fwd, (x.contiguous(memory_format=torch.channels_last), None, None, 1e-6, True)),
+        # autocast's float32 y beside a bf16 x (traced calls under autocast)
+        ("ln_out_float32", fwd, (x.bfloat16(), r(5).float(), r(5).float(), 1e-5, False, True)),
         ("bwd_ln", bwd, (r(2, 5, 3, 4), x, r(2, 3, 4), r(2, 3, 4).abs(), r(5), [True, True, True])),
         ("bwd_rms", bwd, (r(2, 5, 3, 4), x, None, r(2, 3, 4).abs(), None, [True, False, False])),
     ]

@@ -374,3 +374,40 @@ def test_timm_convnext_block_converted_matches():
         torch.backends.cudnn.allow_tf32 = tf32
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_autocast_compiled_matches_eager(layout):
+    """torch.compile(fullgraph) of LayerNorm2d, then LayerNorm over the rows of its
+    channels-last view, under bf16 autocast: the custom ops take the half input as the eager
+    Functions do (float32 y, dx in bf16) and match the eager calls."""
+    torch.manual_seed(8)
+    C = 96
+    x = rand((4, C, 7, 9), "bfloat16", LAYOUTS[layout], offset=0.5).requires_grad_()
+    w, b = (t.requires_grad_() for t in params(C, "bfloat16", False, fp32_params=True))
+
+    def fn(x, w, b):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = cnt.layer_norm2d(x, w, b)
+            rows = cnt.layer_norm(x.permute(0, 2, 3, 1), (C,), w, b)
+        return y, rows
+
+    def step(f):
+        y, rows = f(x, w, b)
+        grads = torch.autograd.grad(
+            (y, rows), (x, w, b), (torch.ones_like(y), torch.ones_like(rows))
+        )
+        return (y, rows, *grads)
+
+    compiled = torch.compile(fn, fullgraph=True)
+    try:
+        got = step(compiled)
+    finally:
+        torch._dynamo.reset()
+    want = step(fn)
+    for a, c in zip(got, want, strict=True):
+        assert a.dtype == c.dtype
+        torch.testing.assert_close(
+            a, c, rtol=1e-2, atol=1e-2 if a.dtype == torch.bfloat16 else 1e-5
+        )
+    assert got[0].dtype == got[1].dtype == torch.float32 and got[2].dtype == torch.bfloat16

@@ -245,6 +245,12 @@ def _op_samples():
         ("rms", fwd, (x, None, w, None, 1, 1e-6, True)),
         ("add_ln", fwd, (x, res, w, b, 1, 1e-5, False)),
         ("add_rms_half", fwd, (r(4, 6).half(), r(4, 6).half(), None, None, 1, 1e-3, True)),
+        # autocast's float32 y beside a bf16 x (traced calls under autocast)
+        (
+            "ln_out_float32",
+            fwd,
+            (r(3, 5, 7).bfloat16().requires_grad_(), None, w, b, 1, 1e-5, False, False, True),
+        ),  # fmt: skip
         ("bwd_ln", bwd, (r(3, 7), None, r(3, 7), r(3), r(3).abs(), r(7), 1, [True, True, True])),
         (
             "bwd_rms_dsum",

@@ -651,11 +651,12 @@ def _row_norm_bwd(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast=False
     return _row_norm_bwd_reference(dy, dsum, x, mean, rstd, weight, ndim, output_mask, cast)
 
 
-def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms, cast=False):
+def _row_norm_fwd_fake(x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False):
     batch, _row = _split(x, ndim)
     rstd = x.new_empty(batch, dtype=_stat_dtype(x.dtype))
     mean = None if rms else torch.empty_like(rstd)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dtype = torch.float32 if out_float32 else x.dtype
+    y = torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
     total = None if residual is None else torch.empty_like(y)
     return y, total, mean, rstd
 
@@ -728,10 +729,10 @@ def _channel_norm_stats_shape(x: Tensor) -> tuple[int, ...]:
     return (x.shape[0], *x.shape[2:])
 
 
-def _channel_norm_fwd_fake(x, weight, bias, eps, rms):
+def _channel_norm_fwd_fake(x, weight, bias, eps, rms, out_float32=False):
     rstd = x.new_empty(_channel_norm_stats_shape(x), dtype=_stat_dtype(x.dtype))
     mean = None if rms else torch.empty_like(rstd)
-    return _empty_out(x), mean, rstd
+    return _empty_out(x, out_float32), mean, rstd
 
 
 def _channel_norm_bwd_fake(dy, x, mean, rstd, weight, output_mask):

@@ -22,12 +22,12 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
                        bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
     row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
     row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
-    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False)
+    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False, out_float32=False)
         -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
                                     # cast: LlamaRMSNorm's rounding of xhat before the weight
     row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask, cast=False)
         -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
-    channel_norm_fwd(x, weight?, bias?, eps, rms)
+    channel_norm_fwd(x, weight?, bias?, eps, rms, out_float32=False)
         -> (y, mean?, rstd)          # LayerNorm / RMSNorm over dim 1, stats (N, *spatial)
     channel_norm_bwd(dy, x, mean?, rstd, weight?, output_mask) -> (dx?, dweight?, dbias?)
 
@@ -165,7 +165,8 @@ _SCHEMAS = {
     ),
     "row_norm_fwd": (
         "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
-        " float eps, bool rms, bool cast=False) -> (Tensor, Tensor?, Tensor?, Tensor)"
+        " float eps, bool rms, bool cast=False, bool out_float32=False)"
+        " -> (Tensor, Tensor?, Tensor?, Tensor)"
     ),
     "row_norm_bwd": (
         "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
@@ -173,8 +174,8 @@ _SCHEMAS = {
         " -> (Tensor?, Tensor?, Tensor?)"
     ),
     "channel_norm_fwd": (
-        "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms)"
-        " -> (Tensor, Tensor?, Tensor)"
+        "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms,"
+        " bool out_float32=False) -> (Tensor, Tensor?, Tensor)"
     ),
     "channel_norm_bwd": (
         "channel_norm_bwd(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor? weight,"

@@ -238,8 +238,8 @@ def _apply_row_norm(
     x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False
 ) -> tuple[Tensor, Tensor | None]:
     args = (x, residual, weight, bias, ndim, eps, rms, cast)
-    if _traced(x):  # never out_float32 (the route's float32 copies: Inductor fuses them)
-        return row_norm_fwd_op(*args)[:2]
+    if _traced(x):
+        return row_norm_fwd_op(*args, out_float32)[:2]
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, residual, weight, bias)
     ):
@@ -248,8 +248,8 @@ def _apply_row_norm(
 
 
 def _apply_channel_norm(x, weight, bias, eps, rms, out_float32=False) -> Tensor:
-    if _traced(x):  # never out_float32 (as _apply_row_norm)
-        return channel_norm_fwd_op(x, weight, bias, eps, rms)[0]
+    if _traced(x):
+        return channel_norm_fwd_op(x, weight, bias, eps, rms, out_float32)[0]
     if _wants_grad(x, weight, bias):
         return _ChannelNormFunction.run(x, weight, bias, eps, rms, out_float32)[0]
     return _channel_norm_output(x, weight, bias, eps, rms, out_float32)
@@ -720,8 +720,9 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
     tensors = (input, residual, weight, bias)
     dims = _dims(normalized_shape)
     # under autocast a half-precision input is read as is and y comes out in float32: as its
-    # float32 copy would give, with none made (not when traced: Inductor fuses the copies)
-    out_float32 = to_float32 and residual is None and input.dtype in _HALF and not _traced(input)
+    # float32 copy would give, with none made (traced calls too: Inductor would run the copies
+    # as kernels of their own before the op and after its backward)
+    out_float32 = to_float32 and residual is None and input.dtype in _HALF
     replay = dims is not None and _replay_candidate(tensors)
     token = None
     if replay:
@@ -927,7 +928,7 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
     the checks, then the channel norm Function -- ran it; on NCHW input, as the channels
     family's call. Under autocast (``to_float32``) as layer_norm: a half-precision input read
     as is, y in float32 (NCHW: on a float32 copy, not replayed)."""
-    out_float32 = to_float32 and input.dtype in _HALF and not _traced(input)
+    out_float32 = to_float32 and input.dtype in _HALF
     token = None
     if input.dim() >= 2 and _replay_candidate((input, weight, bias)):
         rows = input.permute(0, *range(2, input.dim()), 1)
