@@ -926,12 +926,14 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
     view's rows: such a call is replayed as that row norm's (:mod:`._replay`; the origin is the
     function's name: its checks are not layer_norm's over the same rows) once the full path --
     the checks, then the channel norm Function -- ran it; on NCHW input, as the channels
-    family's call. Under autocast (``to_float32``) as layer_norm: a half-precision input read
-    as is, y in float32 (NCHW: on a float32 copy, not replayed)."""
-    out_float32 = to_float32 and input.dtype in _HALF
+    family's call. Under autocast (``to_float32``) as layer_norm: a half-precision input whose
+    rows the kernels read is read as is, y in float32; NCHW input takes float32 copies, made
+    by torch's cast kernels (by Inductor's when traced), as torch's autocast does: measured
+    faster than the conversions inside the host op (benchmarks/NOTES.md)."""
+    rows = input.permute(0, *range(2, input.dim()), 1) if input.dim() >= 2 else input
+    out_float32 = to_float32 and input.dtype in _HALF and rows.is_contiguous()
     token = None
     if input.dim() >= 2 and _replay_candidate((input, weight, bias)):
-        rows = input.permute(0, *range(2, input.dim()), 1)
         key_eps = _default_rms_eps(input) if eps is None else eps
         if rows.is_contiguous():
             tensors = (rows, None, weight, bias)
@@ -943,7 +945,7 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
             # fmt: on
             if y is not None:
                 return y.permute(0, y.dim() - 1, *range(1, y.dim() - 1))
-        elif input.is_contiguous() and not out_float32:  # NCHW: the channels family
+        elif input.is_contiguous():  # NCHW: the channels family
             tensors = (input, None, weight, bias)
             tensors, origin = _kernel_tensors(tensors, name, to_float32)
             x, _r, w, b = tensors
