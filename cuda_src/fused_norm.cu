@@ -17,13 +17,13 @@
 // NAME: the activation, prefixed add_ with a residual (also a template parameter: a runtime
 // flag doubled the apply's registers).
 #define FUSED_APPLY(NAME, ACT, RESID)                                                           \
-    extern "C" __global__ void fused_norm_apply_rows_##NAME(APPLY_ROWS_PARAMS(out_t)) {                \
+    extern "C" __global__ void fused_norm_apply_rows_##NAME(APPLY_ROWS_PARAMS(out_t)) {            \
         if (vectorized)                                                                        \
             apply_rows<VEC, false, ACT, RESID>(APPLY_ROWS_ARGS);                               \
         else                                                                                   \
             apply_rows<1, false, ACT, RESID>(APPLY_ROWS_ARGS);                                 \
     }                                                                                          \
-    extern "C" __global__ void fused_norm_apply_cols_##NAME(APPLY_COLS_PARAMS(out_t)) {                \
+    extern "C" __global__ void fused_norm_apply_cols_##NAME(APPLY_COLS_PARAMS(out_t)) {            \
         if (vectorized)                                                                        \
             apply_cols<VEC, false, ACT, RESID>(APPLY_COLS_ARGS);                               \
         else                                                                                   \
@@ -77,13 +77,13 @@
 
 // The dx pass without a residual (bias: the forward's, for t; z unused).
 #define FUSED_DX(NAME, ACT)                                                                     \
-    extern "C" __global__ void fused_norm_bwd_dx_rows_##NAME(APPLY_ROWS_PARAMS(scalar_t)) {               \
+    extern "C" __global__ void fused_norm_bwd_dx_rows_##NAME(APPLY_ROWS_PARAMS(scalar_t)) {        \
         if (vectorized)                                                                        \
             apply_rows<VEC, true, ACT>(APPLY_ROWS_ARGS);                                       \
         else                                                                                   \
             apply_rows<1, true, ACT>(APPLY_ROWS_ARGS);                                         \
     }                                                                                          \
-    extern "C" __global__ void fused_norm_bwd_dx_cols_##NAME(APPLY_COLS_PARAMS(scalar_t)) {               \
+    extern "C" __global__ void fused_norm_bwd_dx_cols_##NAME(APPLY_COLS_PARAMS(scalar_t)) {        \
         if (vectorized)                                                                        \
             apply_cols<VEC, true, ACT>(APPLY_COLS_ARGS);                                       \
         else                                                                                   \
