@@ -140,7 +140,7 @@ def _set_out_dtype(call: _Call, out_dtype: str | None) -> None:
         return
     if out_dtype != "float32" or call.itemsize != 2:
         raise ValueError(f"y and dy in {out_dtype} beside x in {call.dtype}: only float32 beside "
-                         "float16 or bfloat16")  # fmt: skip
+                         "a float16 or bfloat16 x (wider than x)")  # fmt: skip
     call.out_dtype = out_dtype
 
 
@@ -543,9 +543,9 @@ def row_norm_fwd(
     call = _Call(x, weight if weight is not None else bias)
     x = call.bk.contiguous(x)
     if out_dtype is not None and out_dtype != call.dtype:
-        if residual is not None or _ITEMSIZE[out_dtype] < call.itemsize:
+        if residual is not None:
             raise ValueError("row_norm_fwd: out_dtype is wider than x's, with no residual")
-        call.out_dtype = out_dtype
+        _set_out_dtype(call, out_dtype)
         if _plan.plan_short_rows(row_len, call.itemsize, call.aligned(x)) is None:
             x = _converted(call, x, out_dtype)  # the float32 path on a copy of x
             call = _Call(x, weight if weight is not None else bias)
@@ -677,7 +677,7 @@ def row_norm_bwd(
         return _row_norm_bwd(call, dy, dsum, x, mean, rstd, weight, *args)
     if dsum is not None:
         raise ValueError("row_norm_bwd: a float32 dy takes no dsum")
-    call.out_dtype = out_dtype
+    _set_out_dtype(call, out_dtype)
     if _plan.plan_short_rows(row_len, call.itemsize, call.aligned(x, dy)) is not None:
         return _row_norm_bwd(call, dy, dsum, x, mean, rstd, weight, *args)
     # the float32 path on a copy of x, dx converted back

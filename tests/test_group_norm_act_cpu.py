@@ -608,3 +608,7 @@ def test_float32_output_only_beside_half_precision(launches):  # noqa: F811
         _ops.group_norm_fwd(x.float(), 2, None, None, 1e-5, out_dtype="float64")
     with pytest.raises(ValueError, match="only float32 beside"):
         _ops.group_norm_bwd(x.double(), x, None, None, None, 2, (True, False, False))
+    # the row norms' float32 y / dy take the same rule
+    rows = torch.rand(4, 8)
+    with pytest.raises(ValueError, match="only float32 beside"):
+        _ops.row_norm_bwd(rows.half(), None, rows, None, None, None, 8, (True, False, False))

@@ -289,12 +289,6 @@ _AUTOCAST_RMS_NORM = torch._C._dispatch_has_kernel_for_dispatch_key(
 )
 
 
-def _rms_norm_to_torch() -> bool:
-    """Whether an rms_norm call now is torch's own: under autocast when torch's autocast passes
-    rms_norm through (see _AUTOCAST_RMS_NORM)."""
-    return not _AUTOCAST_RMS_NORM and torch.is_autocast_enabled()
-
-
 # ---------------------------------------------------------------------------------------------
 # routing (the host code validates nothing: _checks does, on the kernel route)
 # ---------------------------------------------------------------------------------------------
@@ -831,11 +825,12 @@ def rms_norm(
         >>> y = cupynorm.torch.rms_norm(x, 4096, torch.ones(4096, device="cuda"))
     """
     _checks.check_tensor("rms_norm", "input", input)
-    if not _use_kernels(input) or _rms_norm_to_torch():
+    autocast = torch.is_autocast_enabled()
+    if not _use_kernels(input) or (autocast and not _AUTOCAST_RMS_NORM):
         return F.rms_norm(input, normalized_shape, weight, eps)
     # fmt: off
     return _row_norm_route("rms_norm", F.rms_norm, input, None, normalized_shape, weight, None,
-                           eps, True, to_float32=torch.is_autocast_enabled())[0]
+                           eps, True, to_float32=autocast)[0]
     # fmt: on
 
 
@@ -1042,11 +1037,12 @@ def rms_norm2d(
         >>> y = cupynorm.torch.rms_norm2d(x, eps=1e-5)
     """
     _checks.check_tensor("rms_norm2d", "input", input)
-    if not _use_kernels(input) or _rms_norm_to_torch():
+    autocast = torch.is_autocast_enabled()
+    if not _use_kernels(input) or (autocast and not _AUTOCAST_RMS_NORM):
         return _over_channels(F.rms_norm, input, weight, eps)
     # fmt: off
     return _channel_norm_route("rms_norm2d", F.rms_norm, input, weight, None, eps, True,
-                               torch.is_autocast_enabled())  # as torch's autocast
+                               autocast)  # as torch's autocast
     # fmt: on
 
 
