@@ -93,6 +93,36 @@ def test_batch_norm_act_compiles_fullgraph_on_the_reference_kernels(kernels):
     torch._dynamo.reset()
 
 
+def test_batch_norm_act_stays_fused_under_compile(kernels):
+    """The traced module calls the fused op (norm, add and activation in one op: one pass fewer
+    than leaving the add and activation to Inductor), and trains as the eager module does."""
+    torch._dynamo.reset()
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes)
+        return gm
+
+    g = torch.Generator().manual_seed(5)
+    m = cnt.BatchNormAct2d(4, activation="relu")
+    x = torch.randn(2, 4, 3, 5, generator=g).requires_grad_()
+    z = torch.randn(2, 4, 3, 5, generator=g).requires_grad_()
+    dy = torch.randn(2, 4, 3, 5, generator=g)
+    m2 = copy.deepcopy(m)
+    y = m(x, z)
+    y.backward(dy)
+    x2, z2 = x.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    y2 = torch.compile(m2, fullgraph=True, backend=backend)(x2, z2)
+    y2.backward(dy)
+    torch._dynamo.reset()
+    assert any("batch_norm_act_fwd" in t for t in targets), targets
+    assert not any("relu" in t or t.endswith(".add") for t in targets), targets
+    torch.testing.assert_close(y2, y)
+    for a, b in ((x2.grad, x.grad), (z2.grad, z.grad), (m2.weight.grad, m.weight.grad)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(m2.running_mean, m.running_mean)
+
+
 def test_batch_norm_act_argument_errors():
     x = torch.randn(2, 3, 4, 4)
     with pytest.raises(InvalidInputError, match="activation"):

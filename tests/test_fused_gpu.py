@@ -201,6 +201,21 @@ def test_batch_norm_act_cuda_graph_and_compile():
     eager = m(x, z)
     compiled = torch.compile(copy.deepcopy(m), fullgraph=True)(x, z)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    # training under Inductor (the fused op stays in the graph): gradients as eager's
+    xs = [t.clone().to(memory_format=torch.channels_last).requires_grad_() for t in (x, x)]
+    zs = [t.clone().requires_grad_() for t in (z, z)]
+    dy = torch.randn_like(x)
+    m_eager, m_compiled = copy.deepcopy(m), copy.deepcopy(m)
+    m_eager(xs[0], zs[0]).backward(dy)
+    torch.compile(m_compiled, fullgraph=True)(xs[1], zs[1]).backward(dy)
+    for a, b in ((xs[1].grad, xs[0].grad), (zs[1].grad, zs[0].grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in (
+        (m_compiled.weight.grad, m_eager.weight.grad),
+        (m_compiled.bias.grad, m_eager.bias.grad),
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(m_compiled.running_var, m_eager.running_var)
 
     def fn(x, z):  # the fused custom op itself under compile
         return cnt.batch_norm_act(x, None, None, m.weight, m.bias, True, residual=z)

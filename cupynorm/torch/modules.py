@@ -145,13 +145,11 @@ def _batch_norm_act_forward(
     """``activation(module's batch norm(input) + residual)``: :class:`BatchNormAct2d`'s forward,
     and that of a norm-act subclass :func:`cupynorm.torch.fuse` runs on the fused op."""
     args = module._batch_norm_args(input, count_in_kernel=True)
-    if torch.compiler.is_compiling() or (
-        residual is not None and (residual.shape != input.shape or residual.dtype != input.dtype)
-    ):
-        # The add and the activation as torch ops after cupynorm's batch norm: an add that
-        # broadcasts or promotes (fuse() cannot see shapes), and under torch.compile, whose
-        # Inductor fuses them with their neighbours itself (resnet50 batch 256 compiled, H200:
-        # 41.1 ms so, 51.1 ms with the fused op; benchmarks/NOTES.md)
+    if residual is not None and (residual.shape != input.shape or residual.dtype != input.dtype):
+        # an add that broadcasts or promotes (fuse() cannot see shapes): the add and the
+        # activation as torch ops after cupynorm's batch norm. Under torch.compile the fused op
+        # stays (resnet50 compiled, H100: batch 256 48.8 -> 45.8 ms per step with it, torch
+        # 45.2; benchmarks/NOTES.md 2026-11-26 evening)
         y = _batch_norm(*args)
         return ACTIVATIONS[activation](y if residual is None else y + residual)
     return _batch_norm_act(*args, residual, activation)
@@ -422,10 +420,9 @@ class GroupNormAct(GroupNorm):
         self.activation = activation
 
     def forward(self, input: Tensor, shift: Tensor | None = None) -> Tensor:
-        # Under torch.compile too (unlike BatchNormAct2d, whose add and activation Inductor fuses
-        # with their neighbours): the activation after a GroupNorm has no neighbour Inductor
-        # could fuse it into but the norm, an opaque op here, so the fused op saves a pass.
-        # To be measured on the GPU (benchmarks/NOTES.md).
+        # Under torch.compile too, as BatchNormAct2d: the activation after the norm has no
+        # neighbour Inductor could fuse it into but the norm, an opaque op here, so the fused op
+        # saves a pass.
         if shift is not None and not (
             input.dim() == 4
             and shift.shape == input.shape[:2]
