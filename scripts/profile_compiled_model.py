@@ -2,10 +2,11 @@
 tool).
 
 One model row of the bench (default resnet50 batch 256, bf16 autocast, channels_last) under
-``torch.compile`` (default mode) three ways -- torch's norms, ``replace_norms``, ``fuse`` -- each:
-step ms (CUDA events), graph breaks, kernels per step and the heaviest kernels by GPU time (torch
-profiler, summed over names). Usage: python scripts/profile_compiled_model.py [--row NAME]
-[--steps N] [--top K]
+``torch.compile`` (default mode) with torch's norms, with them converted as the bench converts
+them, and (for rows the bench runs through ``fuse``) with ``replace_norms``; each: step ms (CUDA
+events), host us to issue a step with the device idle before it, cupynorm op calls per step,
+graph breaks, kernels per step and the heaviest kernels by GPU time (torch profiler, summed over
+names). Usage: python scripts/profile_compiled_model.py [--row NAME] [--steps N] [--top K]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import collections
 import copy
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,11 +38,9 @@ def main() -> None:
     batch = train._make_batch(
         workload, workload.input_shape[0], "cuda", getattr(torch, workload.dtype), seed=0
     )
-    variants = {
-        "torch": lambda m: m,
-        "replace_norms": cnt.replace_norms,
-        "fuse": cnt.fuse,
-    }
+    variants = {"torch": lambda m: m, "cupynorm": lambda m: train._convert(m, workload)}
+    if workload.convert == "fuse":
+        variants["replace_norms"] = cnt.replace_norms
     for name, convert in variants.items():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -53,6 +53,17 @@ def main() -> None:
         breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         times = timing.time_cuda_ms(step, reps=args.steps, warmup=3)
         torch.cuda.synchronize()
+        issue = []
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            step()
+            issue.append((time.perf_counter() - started) * 1e6)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as host:
+            step()
+            torch.cuda.synchronize()
+        ops = [e for e in host.events() if e.name.startswith("cupynorm::")]
         with timing.cuda.profile() as profiler:
             for _ in range(3):
                 step()
@@ -65,8 +76,10 @@ def main() -> None:
             counts[kernel] += 1
         total = sum(per_name.values()) / 1e3
         print(
-            f"== {name}: {statistics.median(times):.2f} ms/step, kernels {total:.2f} ms, "
-            f"{len(events) // 3} kernels/step, graph breaks {breaks}"
+            f"== {name}: {statistics.median(times):.2f} ms/step, issue "
+            f"{statistics.median(issue):.0f} us/step, kernels {total:.2f} ms, "
+            f"{len(events) // 3} kernels/step, graph breaks {breaks}, cupynorm op calls "
+            f"{len(ops)} ({sum(e.cpu_time_total for e in ops):.0f} us of host under the profiler)"
         )
         if breaks:
             for reason, n in list(torch._dynamo.utils.counters["graph_break"].items())[:5]:

@@ -2,18 +2,21 @@
 cupynorm's goes.
 
 A host-bound step (small batch) costs what its layers take to issue; this runs torchvision's
-resnet50 (bf16 autocast, channels_last) and reports, per batch size, the issue time of a step
-(zero_grad, forward, backward, SGD step) starting with the device idle, for each model, the
-difference per norm layer, the caching allocator's cudaMalloc calls, the CUDA runtime and driver
-calls of a step (torch.profiler: any call that waits for the device shows here), torch's
-synchronizing operations (`torch.cuda.set_sync_debug_mode`, with the Python stack of each), the
-host time of each norm layer's forward (hooks), and optionally a cProfile of the cupynorm step.
+resnet50 (bf16 autocast, channels_last; or timm's vit_base / convnext_tiny: ``--model``) and
+reports, per batch size, the issue time of a step (zero_grad, forward, backward, SGD step)
+starting with the device idle, for each model, the difference per norm layer, the caching
+allocator's cudaMalloc calls, the CUDA runtime and driver calls of a step (torch.profiler: any
+call that waits for the device shows here), torch's synchronizing operations
+(`torch.cuda.set_sync_debug_mode`, with the Python stack of each), the host time of each norm
+layer's forward (hooks), and optionally a cProfile of the cupynorm step.
 
 If the issue time per norm layer grows with the batch, something on the host path waits for the
 device.
 
-Usage: python scripts/profile_model_host.py [--batch N ...] [--convert replace|fuse]
-       [--steps N] [--cprofile]
+Usage: python scripts/profile_model_host.py [--model resnet50|vit_base|convnext_tiny]
+       [--batch N ...] [--convert replace|fuse] [--steps N] [--cprofile]
+
+(``--convert`` applies to resnet50; the timm models get their LayerNorms converted.)
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm.torch as cnt  # noqa: E402
 from cupynorm import _program  # noqa: E402
 
-NORM_TYPES = (torch.nn.BatchNorm2d, cnt.BatchNorm2d, cnt.BatchNormAct2d)
+NORM_TYPES = (torch.nn.BatchNorm2d, torch.nn.LayerNorm)  # cupynorm's modules subclass them
 
 
 def _step_fn(model: torch.nn.Module, x: torch.Tensor, target: torch.Tensor):
@@ -72,21 +75,32 @@ def _phases_us(
     target: torch.Tensor,
     steps: int,
     engine_threads: bool = True,
+    idle: bool = False,
 ) -> dict:
     """Median issue time of each phase of a step (forward + loss, backward, optimizer step), each
     started with the device idle, and of cupynorm's own backward functions inside the backward
     (they run on the autograd engine's device thread: timed by a wrapper, summed per step).
     ``engine_threads=False``: the backward under ``torch.autograd.set_multithreading_enabled(
-    False)``, every node run on the calling thread."""
+    False)``, every node run on the calling thread. ``idle``: each of cupynorm's backward functions
+    timed with the device idle before it (a synchronize first, outside the timing): its own host
+    time, with no wait for a full launch queue in it."""
     from cupynorm.torch import _autograd
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     inside = [0.0]
-    functions = [_autograd._BatchNormFunction, _autograd._BatchNormActFunction]
+    functions = [
+        _autograd._BatchNormFunction,
+        _autograd._BatchNormActFunction,
+        _autograd._RowNormFunction,
+        _autograd._ChannelNormFunction,
+        _autograd._ReplayFunction,
+    ]
     originals = [f.__dict__["backward"] for f in functions]  # the staticmethods
 
     def timed(backward):
         def run(ctx, *grads):
+            if idle:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             try:
                 return backward(ctx, *grads)
@@ -176,18 +190,24 @@ def _sync_ops(step) -> list[str]:
     return found
 
 
-def _layer_forward_us(model: torch.nn.Module, step, steps: int = 5) -> list[float]:
-    """Median host us of each norm layer's forward call, in model order."""
+def _layer_forward_us(
+    model: torch.nn.Module, step, steps: int = 5, idle: bool = False
+) -> list[float]:
+    """Median host us of each norm layer's forward call, in model order; ``idle``: each started
+    with the device idle (a synchronize in the pre-hook: the layer's own host time, no wait for
+    a full launch queue in it)."""
+
+    def start(i: int) -> None:
+        if idle:
+            torch.cuda.synchronize()
+        starts[i] = time.perf_counter()
+
     times: dict[int, list[float]] = collections.defaultdict(list)
     starts: dict[int, float] = {}
     handles = []
     layers = [m for m in model.modules() if isinstance(m, NORM_TYPES)]
     for i, m in enumerate(layers):
-        handles.append(
-            m.register_forward_pre_hook(
-                lambda _m, _a, i=i: starts.__setitem__(i, time.perf_counter())
-            )
-        )
+        handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: start(i)))
         handles.append(
             m.register_forward_hook(
                 lambda _m, _a, _o, i=i: times[i].append((time.perf_counter() - starts[i]) * 1e6)
@@ -204,28 +224,54 @@ def _layer_forward_us(model: torch.nn.Module, step, steps: int = 5) -> list[floa
     return [statistics.median(times[i]) for i in range(len(layers))]
 
 
+def _model(name: str) -> tuple[torch.nn.Module, bool]:
+    """(the model on the GPU, whether it runs channels_last)."""
+    if name == "resnet50":
+        import torchvision
+
+        model, channels_last = torchvision.models.resnet50(), True
+    else:
+        import timm
+
+        timm_name = {"vit_base": "vit_base_patch16_224", "convnext_tiny": "convnext_tiny"}[name]
+        model, channels_last = timm.create_model(timm_name), name != "vit_base"
+    model = model.cuda()
+    return (model.to(memory_format=torch.channels_last) if channels_last else model), channels_last
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--model", choices=("resnet50", "vit_base", "convnext_tiny"), default="resnet50"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[8])
     parser.add_argument("--convert", choices=("replace", "fuse"), default="replace")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--cprofile", action="store_true")
     args = parser.parse_args()
-    import torchvision
-
     torch.manual_seed(0)
-    theirs = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
-    convert = cnt.replace_norms if args.convert == "replace" else cnt.fuse
-    ours = convert(copy.deepcopy(theirs))
-    layers = sum(isinstance(m, torch.nn.BatchNorm2d) for m in theirs.modules())
+    theirs, channels_last = _model(args.model)
+    if args.model != "resnet50":  # LayerNorm is opt-in (replace_norms' docstring)
+        ours = cnt.replace_norms(copy.deepcopy(theirs), include=[torch.nn.LayerNorm])
+    else:
+        convert = cnt.replace_norms if args.convert == "replace" else cnt.fuse
+        ours = convert(copy.deepcopy(theirs))
+    converted = sum(
+        any(c.__module__.startswith("cupynorm") for c in type(m).__mro__) for m in ours.modules()
+    )
+    assert converted, "no norm layer converted"
+    layers = sum(isinstance(m, NORM_TYPES) for m in theirs.modules())
     stripped = copy.deepcopy(theirs)
     for parent in list(stripped.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.BatchNorm2d):
+            if isinstance(child, NORM_TYPES):
                 setattr(parent, name, torch.nn.Identity())
-    print(f"resnet50 bf16 autocast channels_last, {layers} norm layers, cupynorm: {args.convert}")
+    layout = "channels_last" if channels_last else "contiguous"
+    print(f"{args.model} bf16 autocast {layout}, {layers} norm layers, cupynorm: {args.convert}")
     for batch in args.batch:
-        x = torch.randn(batch, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+        x = torch.randn(batch, 3, 224, 224, device="cuda")
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
         target = torch.randint(0, 1000, (batch,), device="cuda")
         steps = {
             name: _step_fn(m, x, target)
@@ -249,14 +295,16 @@ def main() -> None:
                 f"  {name} per norm layer (median - no norms) / {layers}: "
                 f"{(issue[name][1] - base) / layers:.0f} us"
             )
-        for threads in (True, False):
+        for threads, idle in ((True, False), (False, False), (True, True)):
             phases = {
-                name: _phases_us(m, x, target, args.steps, threads)
+                name: _phases_us(m, x, target, args.steps, threads, idle)
                 for name, m in (("torch", theirs), ("cupynorm", ours), ("no norms", stripped))
             }
             print(
                 "  issue us per phase (median, device idle before each), autograd engine threads "
-                f"{'on (default)' if threads else 'off'}: torch | cupynorm | no norms"
+                f"{'on (default)' if threads else 'off'}"
+                f"{', device idle before each norm backward' if idle else ''}: "
+                "torch | cupynorm | no norms"
             )
             for phase in phases["torch"]:
                 t, c, n = (phases[k][phase] for k in ("torch", "cupynorm", "no norms"))
@@ -279,24 +327,26 @@ def main() -> None:
             print(f"  synchronizing torch ops in a {name} step: {len(found)}")
             for line in found[:6]:
                 print("    " + line.replace("\n", "\n    "))
-        fwd = {
-            name: _layer_forward_us(m, steps[name])
-            for name, m in (("torch", theirs), ("cupynorm", ours))
-        }
-        print("  norm layer forward host us (median per layer): torch | cupynorm")
-        print(
-            f"    sum {sum(fwd['torch']):.0f} | {sum(fwd['cupynorm']):.0f}; "
-            f"median {statistics.median(fwd['torch']):.1f} | "
-            f"{statistics.median(fwd['cupynorm']):.1f}; "
-            f"max {max(fwd['torch']):.0f} | {max(fwd['cupynorm']):.0f}"
-        )
-        slow = sorted(range(len(fwd["cupynorm"])), key=lambda i: -fwd["cupynorm"][i])[:5]
-        print(
-            "    slowest cupynorm layers: "
-            + ", ".join(
-                f"#{i} {fwd['cupynorm'][i]:.0f} (torch {fwd['torch'][i]:.0f})" for i in slow
+        for idle in (False, True):
+            fwd = {
+                name: _layer_forward_us(m, steps[name], idle=idle)
+                for name, m in (("torch", theirs), ("cupynorm", ours))
+            }
+            when = ", device idle before each" if idle else ""
+            print(f"  norm layer forward host us (median per layer{when}): torch | cupynorm")
+            print(
+                f"    sum {sum(fwd['torch']):.0f} | {sum(fwd['cupynorm']):.0f}; "
+                f"median {statistics.median(fwd['torch']):.1f} | "
+                f"{statistics.median(fwd['cupynorm']):.1f}; "
+                f"max {max(fwd['torch']):.0f} | {max(fwd['cupynorm']):.0f}"
             )
-        )
+            slow = sorted(range(len(fwd["cupynorm"])), key=lambda i: -fwd["cupynorm"][i])[:5]
+            print(
+                "    slowest cupynorm layers: "
+                + ", ".join(
+                    f"#{i} {fwd['cupynorm'][i]:.0f} (torch {fwd['torch'][i]:.0f})" for i in slow
+                )
+            )
     unrecordable = sum(p is _program._UNRECORDABLE for p in _program._PROGRAMS.values())
     print(f"\nprograms: {len(_program._PROGRAMS)} recorded signatures, {unrecordable} unrecordable")
     if args.cprofile:
