@@ -50,15 +50,16 @@ __device__ __forceinline__ GridWarps grid_warps() {
 }
 
 // Forward: x (R rows of C channels, row stride C) -> y; mean, rstd (C,) for the backward; running
-// statistics and batch counter (each may be null) updated as strided_norm_finalize does. Grid: ctas
-// CTAs of (TX, TY).
+// statistics (into new_running_*) and batch counter (each may be null) updated as
+// strided_norm_finalize does. Grid: ctas CTAs of (TX, TY).
 template <int V>
 __device__ __forceinline__ void batch_norm_fwd_cols(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ partials, unsigned int* arrived,
-    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, param_t* __restrict__ running_mean,
-    param_t* __restrict__ running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
-    double count, acc_t eps, acc_t momentum, acc_t unbias) {
+    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, const param_t* running_mean,
+    const param_t* running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
+    double count, acc_t eps, acc_t momentum, acc_t unbias, param_t* new_running_mean,
+    param_t* new_running_var) {
     const int64 ctas = gridDim.x;
     stats_cols<V>(x, partials, 1, R, C, C, 0, ctas, 0, 1, nullptr);
     grid_barrier(arrived, gridDim.x);
@@ -66,7 +67,8 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
     if (w.active) {
         for (int64 k = w.first; k < C; k += w.count)  // set c starts at x[c]
             finalize_set(k, w.lane, partials, ctas, count, eps, mean, rstd, nullptr, x, 1, 1, 0,
-                         running_mean, running_var, momentum, unbias, batches_tracked);
+                         running_mean, running_var, momentum, unbias, batches_tracked,
+                         new_running_mean, new_running_var);
     }
     grid_barrier(arrived, 2 * gridDim.x);
     apply_cols<V, false>(x, nullptr, y, weight, bias, mean, rstd, nullptr, nullptr, R, C, C, 0, 0, 1,
@@ -76,15 +78,18 @@ __device__ __forceinline__ void batch_norm_fwd_cols(
 extern "C" __global__ void __launch_bounds__(COLS_THREADS_MAX, 1) single_launch_batch_norm_fwd_cols(
     const scalar_t* __restrict__ x, scalar_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ partials, unsigned int* arrived,
-    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, param_t* __restrict__ running_mean,
-    param_t* __restrict__ running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
-    double count, acc_t eps, acc_t momentum, acc_t unbias, int vectorized) {
+    acc_t* __restrict__ mean, acc_t* __restrict__ rstd, const param_t* running_mean,
+    const param_t* running_var, int64* __restrict__ batches_tracked, int64 R, int64 C,
+    double count, acc_t eps, acc_t momentum, acc_t unbias, int vectorized,
+    param_t* new_running_mean, param_t* new_running_var) {
     if (vectorized)
         batch_norm_fwd_cols<VEC>(x, y, weight, bias, partials, arrived, mean, rstd, running_mean,
-                                 running_var, batches_tracked, R, C, count, eps, momentum, unbias);
+                                 running_var, batches_tracked, R, C, count, eps, momentum, unbias,
+                                 new_running_mean, new_running_var);
     else
         batch_norm_fwd_cols<1>(x, y, weight, bias, partials, arrived, mean, rstd, running_mean,
-                               running_var, batches_tracked, R, C, count, eps, momentum, unbias);
+                               running_var, batches_tracked, R, C, count, eps, momentum, unbias,
+                               new_running_mean, new_running_var);
 }
 
 // Backward (training: the statistics are the batch's; eval: constants, u = v = 0): dx (may be

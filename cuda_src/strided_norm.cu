@@ -292,16 +292,18 @@ strided_norm_stats_cols(const scalar_t* __restrict__ x, acc_t* __restrict__ part
 // (k / shift_div) * shift_a + (k % shift_div) * shift_b (rows: k * set_stride; columns, per
 // sample: n * sample_stride + g * Cg; columns, per channel: c).
 // Running statistics (batch norm), when given, are updated here as torch does:
-//   running_mean = (1 - momentum) * running_mean + momentum * mean
-//   running_var  = (1 - momentum) * running_var  + momentum * var * unbias  (count / (count - 1))
-// and the module's batch counter (num_batches_tracked, int64), when given, is incremented by set 0:
-// the add torch's module launches as a kernel of its own.
+//   new_running_mean = (1 - momentum) * running_mean + momentum * mean
+//   new_running_var  = (1 - momentum) * running_var  + momentum * var * unbias  (count/(count-1))
+// new_running_* is running_* itself (in place, eager) or another buffer (the functional custom op
+// under torch.compile: no copy of the old statistics first); the pointers may alias, so they are
+// not __restrict__. The module's batch counter (num_batches_tracked, int64), when given, is
+// incremented by set 0: the add torch's module launches as a kernel of its own.
 __device__ __forceinline__ void finalize_set(
     int64 k, int lane, const acc_t* __restrict__ partials, int64 P, double count, acc_t eps,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
     const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
-    param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
-    acc_t unbias, int64* __restrict__ batches_tracked) {
+    const param_t* running_mean, const param_t* running_var, acc_t momentum, acc_t unbias,
+    int64* __restrict__ batches_tracked, param_t* new_running_mean, param_t* new_running_var) {
     // the set's first value, loaded now and used last
     const acc_t shift = lane == 0 ? to_acc(x[(k / shift_div) * shift_a + (k % shift_div) * shift_b])
                                   : acc_t(0);
@@ -329,9 +331,10 @@ __device__ __forceinline__ void finalize_set(
         if (var != nullptr) var[k] = v;
         const acc_t keep = acc_t(1) - momentum;
         if (running_mean != nullptr)
-            running_mean[k] = from_acc<param_t>(keep * to_acc(running_mean[k]) + momentum * m);
+            new_running_mean[k] =
+                from_acc<param_t>(keep * to_acc(running_mean[k]) + momentum * m);
         if (running_var != nullptr)
-            running_var[k] =
+            new_running_var[k] =
                 from_acc<param_t>(keep * to_acc(running_var[k]) + momentum * (v * unbias));
         if (batches_tracked != nullptr && k == 0) batches_tracked[0] += 1;
     }
@@ -342,12 +345,13 @@ extern "C" __global__ void strided_norm_finalize(
     const acc_t* __restrict__ partials, int64 K, int64 P, double count, acc_t eps,
     acc_t* __restrict__ mean, acc_t* __restrict__ rstd, acc_t* __restrict__ var,
     const scalar_t* __restrict__ x, int64 shift_div, int64 shift_a, int64 shift_b,
-    param_t* __restrict__ running_mean, param_t* __restrict__ running_var, acc_t momentum,
-    acc_t unbias, int64* __restrict__ batches_tracked) {
+    const param_t* running_mean, const param_t* running_var, acc_t momentum, acc_t unbias,
+    int64* __restrict__ batches_tracked, param_t* new_running_mean, param_t* new_running_var) {
     const int64 k = (static_cast<int64>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     if (k >= K) return;  // whole warps leave together
     finalize_set(k, threadIdx.x & 31, partials, P, count, eps, mean, rstd, var, x, shift_div,
-                 shift_a, shift_b, running_mean, running_var, momentum, unbias, batches_tracked);
+                 shift_a, shift_b, running_mean, running_var, momentum, unbias, batches_tracked,
+                 new_running_mean, new_running_var);
 }
 #endif
 

@@ -235,13 +235,19 @@ def batch_norm_fwd(
     act: str = "identity",
     batches_tracked: Any = None,
     keep_relu_mask: bool = False,
+    running_mean_out: Any = None,
+    running_var_out: Any = None,
 ) -> tuple:
     """y, save_mean (C,), save_rstd (C,) of BatchNorm over x (N, C, *spatial); with a residual
     and/or an activation ("relu", "silu") y = act(batch_norm(x) + residual), fused into the apply
     pass (residual: x's shape and dtype). In training, ``batches_tracked`` (a module's int64
     batch counter, one element, or None) is incremented by the kernel that updates the running
     statistics. ``keep_relu_mask`` (ReLU with a residual): a fourth output, the ReLU's mask for
-    :func:`batch_norm_act_bwd` where the layout has one (``_strided._apply``), else None."""
+    :func:`batch_norm_act_bwd` where the layout has one (``_strided._apply``), else None.
+    ``running_mean_out`` / ``running_var_out`` (training; contiguous, the running statistics'
+    shape and dtype): the updated statistics go there, the inputs stay as they are (a
+    functional op's outputs, with no copy of the old statistics made first); default in
+    place."""
     call = _Call(x, weight if weight is not None else bias)
     x, layout = _prepare(x, call.bk)
     epilogue = None
@@ -259,6 +265,13 @@ def batch_norm_fwd(
     # running statistics the kernels update (or read) in place: those of the weight's type
     running = tuple(t for t in (running_mean, running_var) if t is not None)
     in_kernel = all(call.bk.dtype_name(t) == (call.param_dtype or call.dtype) for t in running)
+    if training and not in_kernel:  # updated in place by torch/CuPy ops: on the copies
+        for source, out in ((running_mean, running_mean_out), (running_var, running_var_out)):
+            if out is not None:
+                call.bk.copy_into(out, source)
+        running_mean = running_mean if running_mean_out is None else running_mean_out
+        running_var = running_var if running_var_out is None else running_var_out
+        running_mean_out = running_var_out = None
     if not training:
         if in_kernel:
             mean, rstd = call.stats((C,), x), call.stats((C,), x)
@@ -279,6 +292,9 @@ def batch_norm_fwd(
     if count * C == 0:
         call.bk.fill_nan(mean)
         call.bk.fill_nan(rstd)
+        for source, out in ((running_mean, running_mean_out), (running_var, running_var_out)):
+            if out is not None:  # nothing to update: the statistics as they were
+                call.bk.copy_into(out, source)
         if batches_tracked is not None:
             call.bk.increment(batches_tracked)
         return outputs(mean, rstd)
@@ -289,7 +305,7 @@ def batch_norm_fwd(
     # fmt: off
     if layout != "contiguous" and in_kernel and epilogue is None and _single.batch_norm_fwd_cols(
             call, x, y, weight, bias, mean, rstd, running_mean, running_var, batches_tracked,
-            momentum, eps, count, C):
+            momentum, eps, count, C, running_mean_out, running_var_out):
         if running:
             call.mutates_inputs()  # the kernel updated the running statistics
         return outputs(mean, rstd)
@@ -303,7 +319,7 @@ def batch_norm_fwd(
         call.mutates_inputs()
         # fmt: off
         _finalize(call, x, partials, C, count, eps, mean, rstd, var, running_mean, running_var,
-                  momentum, batches_tracked)
+                  momentum, batches_tracked, running_mean_out, running_var_out)
         # fmt: on
     else:
         _finalize(call, x, partials, C, count, eps, mean, rstd, var,

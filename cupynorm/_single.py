@@ -111,10 +111,13 @@ def batch_norm_fwd_cols(
     eps: float,
     rows: int,
     channels: int,
+    new_running_mean: Any = None,
+    new_running_var: Any = None,
 ) -> bool:
-    """y, mean, rstd (and the running statistics and batch counter, updated in the kernel) of
-    BatchNorm training over x viewed as (rows, channels), channels innermost; False when it does
-    not apply (unless :data:`enabled` is True)."""
+    """y, mean, rstd (and the running statistics and batch counter, updated in the kernel: in
+    place, or into ``new_running_*`` when given) of BatchNorm training over x viewed as (rows,
+    channels), channels innermost; False when it does not apply (unless :data:`enabled` is
+    True)."""
     if enabled is not True or not _fits(call, x):
         return False
     kernel = "single_launch_batch_norm_fwd_cols"
@@ -137,7 +140,9 @@ def batch_norm_fwd_cols(
         call.ptr(arrived), call.ptr(mean), call.ptr(rstd), call.ptr(running_mean),
         call.ptr(running_var), call.ptr(batches_tracked), i64(rows), i64(channels),
         np.float64(rows), _scalar(call.acc, eps), _scalar(call.acc, momentum),
-        _scalar(call.acc, unbias), np.int32(plan.vectorized)))
+        _scalar(call.acc, unbias), np.int32(plan.vectorized),
+        call.ptr(running_mean if new_running_mean is None else new_running_mean),
+        call.ptr(running_var if new_running_var is None else new_running_var)))
     # fmt: on
 
 

@@ -152,10 +152,13 @@ def _finalize(
     running_var: Any = None,
     momentum: float = 0.0,
     batches_tracked: Any = None,
+    new_running_mean: Any = None,
+    new_running_var: Any = None,
 ) -> None:
     """Merge the partial triples into mean, rstd (and var); running statistics given are updated
-    in the same kernel (batch norm, with the unbiased variance), and ``batches_tracked`` (a
-    module's int64 batch counter) incremented."""
+    in the same kernel (batch norm, with the unbiased variance) -- in place, or into
+    ``new_running_*`` when given -- and ``batches_tracked`` (a module's int64 batch counter)
+    incremented."""
     grid, threads = _plan.finalize_grid(num_sets)
     unbias = count / (count - 1) if count > 1 else float("nan")
     # fmt: off
@@ -164,7 +167,9 @@ def _finalize(
         np.float64(count), _scalar(call.acc, eps), call.ptr(mean), call.ptr(rstd), call.ptr(var),
         call.ptr(x), np.int64(partials.shift_div), np.int64(partials.shift_a),
         np.int64(partials.shift_b), call.ptr(running_mean), call.ptr(running_var),
-        _scalar(call.acc, momentum), _scalar(call.acc, unbias), call.ptr(batches_tracked)))
+        _scalar(call.acc, momentum), _scalar(call.acc, unbias), call.ptr(batches_tracked),
+        call.ptr(running_mean if new_running_mean is None else new_running_mean),
+        call.ptr(running_var if new_running_var is None else new_running_var)))
     # fmt: on
 
 

@@ -76,6 +76,10 @@ def main() -> None:
             for single in (True, False):
                 _single.enable(single)
                 _, m, r = _ops.batch_norm_fwd(xl, w, w, rm, rv, True, 0.1, 1e-5)
+                # the updated statistics into new buffers (the functional op's form)
+                new = torch.empty_like(rm), torch.empty_like(rv)
+                _ops.batch_norm_fwd(xl, w, w, rm, rv, True, 0.1, 1e-5, None, "identity", None,
+                                    False, *new)  # fmt: skip
                 _ops.batch_norm_bwd(dyl, xl, m, r, w, True, (True, True, True))
                 _ops.batch_norm_bwd(dyl, xl, m, r, None, True, (False, True, True))
                 _ops.batch_norm_bwd(dyl, xl, m, r, w, False, (True, False, True))

@@ -141,6 +141,56 @@ def test_running_statistics_in_the_kernel_are_recorded_as_mutating(launches) -> 
     assert finalize and rm2.data_ptr() in finalize[0] and rv2.data_ptr() in finalize[0]
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["split", "single_launch"])
+def test_running_statistics_into_outputs(launches, monkeypatch, single) -> None:
+    """running_mean_out / running_var_out (the functional op under torch.compile): the kernel
+    reads the old statistics and writes the new ones there; in place it writes where it reads.
+    The outputs are in the key's tensors, so a replay writes into the new call's outputs."""
+    from cupynorm import _single
+
+    monkeypatch.setattr(_single, "enabled", True if single else None)
+    kernel = "single_launch_batch_norm_fwd_cols" if single else "strided_norm_finalize"
+    # the running statistics' (source, destination) pointers: (8, 9, -2, -1) in the finalize's
+    # arguments, (8, 9, -2, -1) in the single launch's too
+    where = (8, 9, -2, -1) if single else (12, 13, -2, -1)
+    x, w, b, rm, rv = _bn_cl()
+    for _ in range(2):  # recorded, then replayed
+        launches.clear()
+        outs = torch.empty_like(rm), torch.empty_like(rv)
+        _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, None, "identity", None, False, *outs)
+        (args,) = [args for name, *_, args in launches if name == kernel]
+        pointers = [t.data_ptr() for t in (rm, rv, *outs)]
+        assert [args[i] for i in where] == pointers
+    launches.clear()
+    _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)
+    (args,) = [args for name, *_, args in launches if name == kernel]
+    assert [args[i] for i in where] == [t.data_ptr() for t in (rm, rv, rm, rv)]
+
+
+def test_running_statistics_into_outputs_off_the_kernel(launches, monkeypatch) -> None:
+    """Running statistics of another dtype than the kernels' parameters (updated by backend ops,
+    not the finalize): the outputs get the old statistics and are updated; the inputs stay."""
+    x = torch.rand(4, 6, 3, 3)
+    rm, rv = torch.rand(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    old = rm.clone(), rv.clone()
+    outs = torch.full_like(rm, float("nan")), torch.full_like(rv, float("nan"))
+    updated = []
+    backend = _interop.backend_of(x)
+    # fmt: off
+    monkeypatch.setattr(backend, "update_running",
+                        lambda running, stat, momentum: updated.append((running, running.clone())))
+    # fmt: on
+    _ops.batch_norm_fwd(
+        x, None, None, rm, rv, True, 0.1, 1e-5, None, "identity", None, False, *outs
+    )
+    assert len(updated) == 2 and all(u[0] is out for u, out in zip(updated, outs, strict=True))
+    for (_out, before), source in zip(updated, old, strict=True):
+        assert torch.equal(before, source)  # holding the old statistics when updated
+    assert torch.equal(rm, old[0]) and torch.equal(rv, old[1])
+    finalize = [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"]
+    assert finalize and finalize[0][12] == 0 and finalize[0][13] == 0  # not in the kernel
+
+
 def test_batch_counter_is_incremented_by_the_statistics_kernels(launches, monkeypatch) -> None:
     """A module's num_batches_tracked goes to the kernel that updates the running statistics
     (the finalize, or the single launch), is in the program's key and pointers, and is
@@ -153,13 +203,13 @@ def test_batch_counter_is_incremented_by_the_statistics_kernels(launches, monkey
         launches.clear()
         _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5, None, "identity", counter)
         finalize = [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"]
-        assert finalize[0][-1] == counter.data_ptr()
+        assert finalize[0][-3] == counter.data_ptr()  # then where the statistics go
     (program,) = _program._PROGRAMS.values()
     assert program is not _program._UNRECORDABLE and program.mutating
     assert [int(c) for c in counters] == [0, 0]  # the fake kernels did not run
     launches.clear()
     _ops.batch_norm_fwd(x, w, b, rm, rv, True, 0.1, 1e-5)  # no counter: a null pointer
-    assert [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"][0][-1] == 0
+    assert [args for kernel, *_, args in launches if kernel == "strided_norm_finalize"][0][-3] == 0
 
     monkeypatch.setattr(_single, "enabled", True)
     _program._PROGRAMS.clear()  # recorded on the split path (the fixture's own dict)

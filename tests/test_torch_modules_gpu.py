@@ -751,3 +751,55 @@ def test_fuse_timm_batch_norm_act_on_cuda():
     xs = _inputs((4, 3, 11, 13), torch.float32)
     _compare_runs(_model_steps(model, xs), _model_steps(ref, xs), torch.float32, model=True)
     _compare_state(model, ref, torch.float32, model=True)
+
+
+@pytest.mark.parametrize("single", [None, True], ids=["default", "single_launch"])
+@pytest.mark.parametrize("act", [False, True], ids=["plain", "act"])
+@pytest.mark.parametrize(
+    "dtype,w_dtype,stats_dtype",
+    [
+        (torch.float32, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float16, torch.float16, torch.float16),
+        (torch.bfloat16, None, torch.float32),  # statistics off the kernels (torch ops)
+    ],
+    ids=["fp32", "bf16_fp32_params", "fp16", "bf16_fp32_stats"],
+)
+def test_functional_op_writes_the_new_running_statistics(
+    monkeypatch, single, act, dtype, w_dtype, stats_dtype
+):
+    """The training forward op (what torch.compile runs) returns the updated running statistics
+    in new tensors written by the kernels, the given ones unchanged: bitwise the eager
+    functional's in-place update, for the split passes and the single launch."""
+    from cupynorm import _single
+
+    monkeypatch.setattr(_single, "enabled", single)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(8, 24, 7, 9, device="cuda", generator=g).to(dtype)
+    x = x.to(memory_format=torch.channels_last)
+    w = (torch.rand(24, device="cuda", generator=g) + 0.5).to(w_dtype or dtype)
+    b = torch.randn(24, device="cuda", generator=g).to(w_dtype or dtype)
+    if w_dtype is None:  # no parameters: the statistics' dtype is not the kernels'
+        w = b = None
+    rm = torch.randn(24, device="cuda", generator=g).to(stats_dtype)
+    rv = (torch.rand(24, device="cuda", generator=g) + 0.5).to(stats_dtype)
+    old = rm.clone(), rv.clone()
+    if act:
+        z = torch.randn_like(x)
+        outs = _library.batch_norm_act_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
+    else:
+        outs = _library.batch_norm_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5)
+    new_mean, new_var = outs[3], outs[4]
+    assert torch.equal(rm, old[0]) and torch.equal(rv, old[1])  # the inputs are not mutated
+    assert new_mean.data_ptr() not in (rm.data_ptr(), rv.data_ptr())
+    eager_m, eager_v = old[0].clone(), old[1].clone()
+    cnt.batch_norm(x, eager_m, eager_v, w, b, training=True, momentum=0.1, eps=1e-5)
+    assert torch.equal(new_mean, eager_m) and torch.equal(new_var, eager_v)
+    assert not torch.equal(new_mean, old[0])  # an update happened
+    # against the update in float64
+    xd = x.double()
+    mean, var = xd.mean(dim=(0, 2, 3)), xd.var(dim=(0, 2, 3), unbiased=True)
+    tol = 2e-3 if stats_dtype == torch.float16 else 1e-5
+    expected = 0.9 * old[0].double() + 0.1 * mean, 0.9 * old[1].double() + 0.1 * var
+    torch.testing.assert_close(new_mean.double(), expected[0], rtol=tol, atol=tol)
+    torch.testing.assert_close(new_var.double(), expected[1], rtol=tol, atol=tol)

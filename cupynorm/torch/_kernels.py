@@ -324,25 +324,31 @@ def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum
 #   backward: training as group norm (the sums over n and spatial); eval dx = dy * weight * rstd
 # ---------------------------------------------------------------------------------------------
 def _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training, momentum,
-                            eps, residual, act, batches_tracked, keep_mask) -> tuple:  # fmt: skip
+                            eps, residual, act, batches_tracked, keep_mask,
+                            running_out=None) -> tuple:  # fmt: skip
     """The host op batch_norm_fwd's arguments (its call key: cupynorm.torch._replay)."""
     args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act,
             batches_tracked)  # fmt: skip
+    if running_out is not None:
+        return (*args, keep_mask, *running_out)
     return (*args, True) if keep_mask else args
 
 
 def _batch_norm_fwd_host(op, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                         residual, act, batches_tracked, keep_mask=False):  # fmt: skip
+                         residual, act, batches_tracked, keep_mask=False,
+                         running_out=None):  # fmt: skip
     """``op`` (the host's batch_norm_fwd or its with_program) on x made dense, with the running
     statistics written back; (op's result, x's memory format). ``keep_mask``: op's ReLU mask as
-    a fourth output (or None)."""
+    a fourth output (or None). ``running_out``: contiguous (new running mean, new running var)
+    the updated statistics go to, the given ones left as they are."""
     x, fmt = _dense(x)
     mean, var = _vec(running_mean), _vec(running_var)
     # fmt: off
     result = op(*_batch_norm_fwd_op_args(x, _vec(weight), _vec(bias), mean, var, training,
-                                         momentum, eps, residual, act, batches_tracked, keep_mask))
+                                         momentum, eps, residual, act, batches_tracked, keep_mask,
+                                         running_out))
     # fmt: on
-    if training:
+    if training and running_out is None:
         _write_back(running_mean, mean)
         _write_back(running_var, var)
     return result, fmt
@@ -386,13 +392,15 @@ def _batch_norm_fwd_cuda(
     residual=None,
     act="identity",
     batches_tracked=None,
+    running_out=None,
 ):
     """Batch norm; with ``residual`` / ``act`` the fused op y = act(norm(x) + residual);
-    ``batches_tracked``: a module's batch counter, incremented in training."""
+    ``batches_tracked``: a module's batch counter, incremented in training; ``running_out``:
+    where the updated running statistics go (:func:`_batch_norm_fwd_host`), default in place."""
     # fmt: off
     (y, save_mean, save_rstd), fmt = _batch_norm_fwd_host(
         _host().batch_norm_fwd, x, weight, bias, running_mean, running_var, training, momentum,
-        eps, residual, act, batches_tracked)
+        eps, residual, act, batches_tracked, running_out=running_out)
     # fmt: on
     return y.contiguous(memory_format=fmt), save_mean, save_rstd
 
@@ -500,8 +508,10 @@ def _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, training, output_mask, 
     return _batch_norm_bwd_reference(*args)
 
 
-def _batch_norm_fwd_op_kernel(fwd):
-    """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs."""
+def _batch_norm_fwd_op_kernel(fwd, into_outputs: bool = False):
+    """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs;
+    ``into_outputs``: ``fwd`` writes the updated statistics into new tensors itself (its
+    ``running_out``), no copy of the old ones made first (the CUDA kernels)."""
 
     def kernel(x, weight, bias, running_mean, running_var, training, momentum, eps, *epi):
         if not training:
@@ -513,6 +523,14 @@ def _batch_norm_fwd_op_kernel(fwd):
                 # like torch's own eval backward); an op's output must not alias an input
                 save_mean = save_mean.clone()
             return y, save_mean, save_rstd, None, None
+        if into_outputs:
+            new_mean = None if running_mean is None else torch.empty_like(running_mean)
+            new_var = None if running_var is None else torch.empty_like(running_var)
+            # fmt: off
+            y, save_mean, save_rstd = fwd(x, weight, bias, running_mean, running_var, True,
+                                          momentum, eps, *epi, running_out=(new_mean, new_var))
+            # fmt: on
+            return y, save_mean, save_rstd, new_mean, new_var
         new_mean = None if running_mean is None else running_mean.clone()
         new_var = None if running_var is None else running_var.clone()
         y, save_mean, save_rstd = fwd(x, weight, bias, new_mean, new_var, True, momentum, eps, *epi)

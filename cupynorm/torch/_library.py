@@ -203,13 +203,13 @@ _KERNELS = {
         _instance_norm_fwd_fake,
     ),
     "batch_norm_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda),
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
         _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
         _batch_norm_fwd_fake,
     ),
     "batch_norm_bwd": (_batch_norm_bwd_cuda, _batch_norm_bwd_reference, _norm_bwd_fake),
     "batch_norm_act_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda),
+        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
         _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
         _batch_norm_fwd_fake,
     ),
