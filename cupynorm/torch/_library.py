@@ -33,10 +33,11 @@ and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the 
 
 Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
 input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
-running statistics are functional: they return the updated statistics (computed on copies; None
-where nothing is updated) and the functional layer writes them back with ``copy_``, an ordinary
-in-place op that ``torch.compile`` functionalizes like torch's own buffer updates. The eager fast
-path updates them in place inside the kernel, no copies.
+running statistics are functional: they return the updated statistics (None where nothing is
+updated; batch norm's CUDA kernels write them into new tensors, the other kernels update copies)
+and the functional layer writes them back with ``copy_``, an ordinary in-place op that
+``torch.compile`` functionalizes like torch's own buffer updates. The eager fast path updates them
+in place inside the kernel, no copies.
 """
 
 from __future__ import annotations
