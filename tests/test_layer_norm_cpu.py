@@ -138,6 +138,40 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
             torch.testing.assert_close(u, v, atol=1e-4, rtol=1e-2)
 
 
+@pytest.mark.parametrize("fn", ["layer_norm", "layer_norm2d"])
+def test_mixed_parameter_dtypes_under_autocast_as_torch_accepts_them(kernel_path, monkeypatch, fn):
+    """Torch's autocast runs layer_norm on float32 copies, so a float32 weight beside a bfloat16
+    bias is accepted there (without autocast, the installed torch decides): the checks judge the
+    copies' dtypes under autocast, the tensors' own without."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 3, 4, generator=g).to(torch.bfloat16)
+    w = torch.randn(6 if fn == "layer_norm2d" else 4, generator=g)
+    b = torch.randn(w.shape, generator=g).to(torch.bfloat16)
+    if fn == "layer_norm2d":
+        x = x.to(memory_format=torch.channels_last)
+
+    def call():
+        if fn == "layer_norm2d":
+            return cnt.layer_norm2d(x, w, b)
+        return cnt.layer_norm(x, (4,), w, b)
+
+    try:  # without autocast: whatever the installed torch does with these dtypes
+        F.layer_norm(x.movedim(1, -1) if fn == "layer_norm2d" else x, w.shape, w, b)
+    except RuntimeError as error:
+        with pytest.raises(type(error)):
+            call()
+    else:
+        call()
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
+    y = call()
+    xf = x.float().movedim(1, -1) if fn == "layer_norm2d" else x.float()
+    expected = F.layer_norm(xf, w.shape, w, b.float())
+    if fn == "layer_norm2d":
+        expected = expected.movedim(-1, 1)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_rms_norm_under_autocast_is_torchs_call_where_torch_passes_it_through(kernels, monkeypatch):
     """With a torch whose autocast has no rms_norm kernel, rms_norm and rms_norm2d under autocast
     are torch's own calls (its dtype rules then), the kernels' route untouched."""

@@ -399,6 +399,46 @@ def test_autocast_keeps_misaligned_zero_size_and_float64_inputs():
         torch.testing.assert_close(dx, dx_ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("fn", ["layer_norm", "layer_norm2d_cl", "layer_norm2d_nchw"])
+def test_autocast_accepts_mixed_parameter_dtypes_as_torch_does(fn):
+    """Torch's autocast runs layer_norm on float32 copies: a float32 weight beside a bfloat16
+    bias is accepted there; cupynorm computes the same (and, without autocast, does what the
+    installed torch does)."""
+    x = rand((4, 24, 5, 7), "bfloat16")
+    C = 24 if fn.startswith("layer_norm2d") else 7
+    w = torch.rand(C, device="cuda") + 0.5
+    b = torch.randn(C, device="cuda").bfloat16()
+    if fn == "layer_norm2d_cl":
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    leaves = (x, w.requires_grad_(), b.requires_grad_())
+
+    def ours():
+        return cnt.layer_norm(x, (C,), w, b) if fn == "layer_norm" else cnt.layer_norm2d(x, w, b)
+
+    def theirs():
+        if fn == "layer_norm":
+            return F.layer_norm(x, (C,), w, b)
+        return F.layer_norm(x.movedim(1, -1), (C,), w, b).movedim(-1, 1)
+
+    try:  # without autocast: whatever the installed torch does with these dtypes
+        expected = theirs()
+    except RuntimeError as error:
+        with pytest.raises(type(error)):
+            ours()
+    else:
+        torch.testing.assert_close(ours(), expected, atol=3e-2, rtol=3e-2)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, y_ref = ours(), theirs()
+    assert y.dtype == y_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    dy = torch.randn_like(y)
+    got, want = torch.autograd.grad(y, leaves, dy), torch.autograd.grad(y_ref, leaves, dy)
+    for u, v in zip(got, want, strict=True):
+        assert u.dtype == v.dtype
+        torch.testing.assert_close(u, v, atol=3e-2, rtol=3e-2)
+
+
 # ---- modules, compile, graphs ------------------------------------------------------------------
 @pytest.mark.parametrize("cls", ["LayerNorm", "RMSNorm"])
 def test_module_compile_fullgraph_and_cuda_graph(cls):

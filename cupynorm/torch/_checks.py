@@ -250,9 +250,13 @@ def check_row_norm(
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float | None,
+    autocast: bool = False,
 ) -> tuple[int, ...]:
     """Checks of layer_norm / rms_norm (``torch_fn``) and their residual forms; returns the
-    normalized shape as a tuple. ``bias`` is None for rms_norm."""
+    normalized shape as a tuple. ``bias`` is None for rms_norm. ``autocast``: the call runs under
+    CUDA autocast, which runs the norm on float32 copies (float64 stays): the dtypes are checked
+    as those copies', so that what torch's autocast accepts (a float32 weight beside a bfloat16
+    bias) is accepted."""
     dims = normalized_dims(normalized_shape)
     affine = (weight,) if torch_fn is F.rms_norm else (weight, bias)
     args = (input, dims, *affine, eps)
@@ -282,7 +286,11 @@ def check_row_norm(
     check_kernel_inputs(fn, input, residual, weight, bias)
     params = [t for t in (weight, bias) if t is not None]
     dtypes = {t.dtype for t in params}
-    if len(dtypes) > 1 or any(d not in (input.dtype, torch.float32) for d in dtypes):
+    input_dtype = input.dtype
+    if autocast:
+        dtypes = {_autocast_dtype(d) for d in dtypes}
+        input_dtype = _autocast_dtype(input_dtype)
+    if len(dtypes) > 1 or any(d not in (input_dtype, torch.float32) for d in dtypes):
         raise_like_torch(
             torch_fn,
             args,
@@ -292,6 +300,11 @@ def check_row_norm(
     return dims
 
 
+def _autocast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a floating tensor's copy for a norm under CUDA autocast (its float32 list)."""
+    return dtype if dtype == torch.float64 else torch.float32
+
+
 def check_channel_norm(
     fn: str,
     torch_fn: Callable[..., Any],
@@ -299,6 +312,7 @@ def check_channel_norm(
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float | None,
+    autocast: bool = False,
 ) -> None:
     """Checks of layer_norm2d / rms_norm2d: those of ``torch_fn`` (layer_norm / rms_norm) over
     the last dimension of the channels-last view (N, *spatial, C), which is what timm's and
@@ -308,4 +322,4 @@ def check_channel_norm(
             f"{fn}: expected input of shape (N, C, *), got a {input.dim()}-d tensor"
         )
     rows = input.movedim(1, -1)
-    check_row_norm(fn, torch_fn, rows, None, (input.shape[1],), weight, bias, eps)
+    check_row_norm(fn, torch_fn, rows, None, (input.shape[1],), weight, bias, eps, autocast)

@@ -732,7 +732,7 @@ def _row_norm_route(fn, torch_fn, input, residual, normalized_shape, weight, bia
     if fn is not None:
         # fmt: off
         dims = _checks.check_row_norm(fn, torch_fn, input, residual, normalized_shape, weight,
-                                      bias, eps)
+                                      bias, eps, to_float32)
         # fmt: on
     if not replay:
         tensors = _kernel_tensors(tensors, None, to_float32, int(out_float32))[0]
@@ -948,7 +948,7 @@ def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float3
             y, token = _replay.channel_norm(x, w, b, key_eps, rms, origin, grad)
             if y is not None:
                 return y
-    _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps)
+    _checks.check_channel_norm(name, torch_fn, input, weight, bias, eps, to_float32)
     if eps is None:
         eps = _default_rms_eps(input)
     tensors = _kernel_tensors((input, None, weight, bias), None, to_float32, int(out_float32))[0]
