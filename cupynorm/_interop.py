@@ -89,6 +89,16 @@ class TorchBackend:
         return [x.data_ptr() for x in xs]
 
     @staticmethod
+    def on_device(xs: list, device_id: int) -> bool:
+        """Whether every tensor of ``xs`` is on CUDA device ``device_id``."""
+        device = xs[0].device
+        return (
+            device.type == "cuda"
+            and device.index == device_id
+            and all(x.device == device for x in xs)
+        )
+
+    @staticmethod
     def strides(x: Any) -> tuple[int, ...]:
         return x.stride()
 
@@ -182,10 +192,16 @@ class CupyBackend:
 
         self.cupy = cupy
         self.array_type = cupy.ndarray
+        # numpy's dtype.name is a Python property (~2 us): looked up by dtype once
+        self._names: dict[Any, str | None] = {}
 
     def dtype_name(self, x: Any) -> str | None:
-        name = x.dtype.name
-        return name if name in DTYPE_NAMES else None
+        dtype = x.dtype
+        try:
+            return self._names[dtype]
+        except KeyError:
+            name = self._names[dtype] = dtype.name if dtype.name in DTYPE_NAMES else None
+            return name
 
     @staticmethod
     def signature(x: Any) -> tuple:
@@ -219,6 +235,11 @@ class CupyBackend:
         return [x.data.ptr for x in xs]
 
     @staticmethod
+    def on_device(xs: list, device_id: int) -> bool:
+        """Whether every array of ``xs`` is on device ``device_id``."""
+        return all(x.device.id == device_id for x in xs)
+
+    @staticmethod
     def strides(x: Any) -> tuple[int, ...]:
         item = x.itemsize
         return tuple(s // item for s in x.strides)
@@ -243,25 +264,23 @@ class CupyBackend:
         return self.empty_strided(x.shape, self.strides(x), dtype or x.dtype.name, x)
 
     def empty_like(self, x: Any) -> Any:
-        return self.empty_strided_like(x)
+        """Same shape, dtype and (for dense arrays) strides as x (order 'K'), on x's device."""
+        with x.device:
+            return self.cupy.empty_like(x)
 
     def allocator(self, method: str, args: tuple, like: Any) -> Callable[..., Any]:
-        """A replay's allocation (see :meth:`TorchBackend.allocator`)."""
+        """A replay's allocation (see :meth:`TorchBackend.allocator`). A replay makes the
+        recorded call's device current before it allocates (``_Program.run``), so these
+        allocate on the current device, without a device context each."""
+        cupy = self.cupy
         if method == "empty_like":
-            return self.empty_like
-        # a new Device per use: a Device object's context stack is not per thread
-        device_id, Device = like.device.id, self.cupy.cuda.Device
+            return cupy.empty_like
         if method == "empty_strided":
             shape, strides, dtype = args
-            return lambda: self.empty_strided(shape, strides, dtype, Device(device_id))
-        make = self.cupy.empty if method == "empty" else self.cupy.zeros
+            return lambda: self.empty_strided(shape, strides, dtype, cupy.cuda.Device())
+        make = cupy.empty if method == "empty" else cupy.zeros
         shape, dtype = args if method == "empty" else (args, "int32")
-
-        def allocate() -> Any:
-            with Device(device_id):
-                return make(shape, dtype=dtype)
-
-        return allocate
+        return functools.partial(make, shape, dtype=dtype)
 
     def empty_strided(
         self, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, like: Any

@@ -277,20 +277,21 @@ class _Program:
     def run(self, bk: Any, device: int, tensors: list, pointers: list | None = None) -> tuple:
         """Allocate and launch for ``tensors`` (the call's tensor arguments, in order), whose
         pointers the caller may pass (the call key reads them)."""
-        objects = list(tensors)
-        append = objects.append
-        for allocate, like in self.allocations:
-            append(allocate() if like is None else allocate(objects[like]))
-        if pointers is None:
-            table = bk.pointers(objects)
-        else:
-            table = [*pointers, *bk.pointers(objects[len(pointers) :])]
-        if self._offsets:
-            table += [table[source] + offset for source, offset in self._offsets]
-        table += self._constants
-        stream = bk.stream(device)
+        # the device first: a CuPy allocation lands on the current device
         previous = _compile.switch_device(device)
         try:
+            objects = list(tensors)
+            append = objects.append
+            for allocate, like in self.allocations:
+                append(allocate() if like is None else allocate(objects[like]))
+            if pointers is None:
+                table = bk.pointers(objects)
+            else:
+                table = [*pointers, *bk.pointers(objects[len(pointers) :])]
+            if self._offsets:
+                table += [table[source] + offset for source, offset in self._offsets]
+            table += self._constants
+            stream = bk.stream(device)
             for launcher, grid, block, smem, gather in self._go:
                 launcher.launch(grid, block, smem, stream, gather(table))
         finally:
@@ -318,19 +319,54 @@ def _programmed(op: Any) -> Any:
 
     def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
         bk, key, tensors, pointers = _call_key(name, args, kwargs)
-        program = _PROGRAMS.get(key)
+        try:
+            program = _PROGRAMS.get(key)
+        except TypeError:  # an unhashable argument: never recorded
+            program = _UNRECORDABLE
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs), None
         if program is not None:
             return program.run(bk, key[2], tensors, pointers), program
         return _record(op, bk, key, tensors, args, kwargs)
 
+    def replay_checked(*args: Any) -> Any:
+        """``op(*args)`` replayed when a call with this key, every tensor on the first one's
+        device, passed the caller's checks before (:func:`checked`); else None. No checks, no
+        layers: the key, one lookup, the allocations and launches."""
+        try:
+            bk, key, tensors, pointers = _call_key(name, args, {})
+            program = _PROGRAMS.get(key)
+        except TypeError:  # an unhashable argument (a list): the full path
+            return None
+        if (
+            type(program) is not _Program
+            or CHECKED not in program.validated
+            or _active.recording is not None
+            or not bk.on_device(tensors, key[2])
+        ):
+            return None
+        return program.run(bk, key[2], tensors, pointers)
+
     @functools.wraps(op)
     def run(*args: Any, **kwargs: Any) -> Any:
         return with_program(*args, **kwargs)[0]
 
     run.with_program = with_program
+    run.replay_checked = replay_checked
     return run
+
+
+#: the origin :func:`checked` marks: the public functional's own checks passed for the key
+CHECKED = "checked"
+
+
+def checked(op: Any, *args: Any) -> Any:
+    """``op(*args)`` for a call that just passed the caller's argument checks: its program (if
+    recorded) is marked so that ``op.replay_checked`` replays later calls with the same key."""
+    outputs, program = op.with_program(*args)
+    if program is not None:
+        program.validated.add(CHECKED)
+    return outputs
 
 
 def _record(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _ops, _validate
+from . import _interop, _ops, _validate
 from ._interop import is_torch_tensor
+from ._program import _programmed, checked
 from ._validate import _dtype_name
 from .errors import InvalidInputError
 
@@ -64,6 +65,70 @@ def _wants_grad(*tensors: Any) -> bool:
     )
 
 
+# ---- the lean path ---------------------------------------------------------------------------
+# A public call on a CuPy array (or a torch tensor that needs no autograd) whose arguments passed
+# the checks once is replayed from then on: the whole call -- every launch and allocation of it --
+# is one recorded program (a ``_programmed`` call below) keyed by the call's own arguments, so a
+# later call with the same key (tensors on the input's device) builds the key, looks it up and
+# launches; no checks, no layers. What the checks decide depends on nothing else.
+def _replayed(call: Any, *args: Any) -> Any:
+    """The outputs of ``call(*args)`` replayed, or None (the full path decides)."""
+    x = args[0]
+    bk = _interop._backend_of_type.get(type(x))
+    if bk is None or type(x) is not bk.array_type:
+        return None
+    if bk.name == "torch" and bk.torch.is_grad_enabled():
+        tensor = bk.array_type
+        if any(type(a) is tensor and a.requires_grad for a in args):
+            return None
+    return call.replay_checked(*args)
+
+
+@_programmed
+def _group_norm_call(input, num_groups, weight, bias, eps, activation, shift):
+    if shift is not None:  # the kernels index it as (N, C) contiguous
+        shift = shift.contiguous() if is_torch_tensor(shift) else _cupy_contiguous(shift)
+    # fmt: off
+    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, shift, want_stats=False,
+                               act=activation or "identity")[:1]
+    # fmt: on
+
+
+@_programmed
+def _instance_norm_call(input, weight, bias, momentum, eps):  # momentum: checked, so keyed
+    return _ops.group_norm_fwd(input, input.shape[1], weight, bias, eps, want_stats=False)[:1]
+
+
+@_programmed
+def _batch_norm_call(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    # fmt: off
+    return _ops.batch_norm_fwd(input, weight, bias, running_mean, running_var, training, momentum,
+                               eps)[:1]
+    # fmt: on
+
+
+@_programmed
+def _row_norm_add_mul_call(x, y, eps):
+    return _ops.row_norm_add_mul_fwd(x, y, eps)[:1]
+
+
+@_programmed
+def _row_norm_call(x, residual, normalized_shape, weight, bias, eps, rms):
+    row_len = 1
+    for d in _validate.normalized_shape_tuple(normalized_shape):
+        row_len *= d
+    if eps is None:
+        eps = _machine_eps(x)
+    return _ops.row_norm_fwd(x, residual, weight, bias, row_len, eps, rms, want_stats=False)[:2]
+
+
+@_programmed
+def _channel_norm_call(x, weight, bias, eps, rms):
+    if eps is None:
+        eps = _machine_eps(x)
+    return _ops.channel_norm_fwd(x, weight, bias, eps, rms, want_stats=False)[:1]
+
+
 def group_norm(
     input: Any, num_groups: int, weight: Any = None, bias: Any = None, eps: float = 1e-5
 ) -> Any:
@@ -89,6 +154,10 @@ def group_norm(
         >>> x = cupy.random.randn(8, 64, 32, 32, dtype=cupy.float32)
         >>> y = cupynorm.group_norm(x, 8)
     """
+    args = (input, num_groups, weight, bias, eps, None, None)
+    out = _replayed(_group_norm_call, *args)
+    if out is not None:
+        return out[0]
     if _is_foreign(input):
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         return _from_cupy(group_norm(_to_cupy(input), num_groups, w, b, eps), input)
@@ -97,7 +166,7 @@ def group_norm(
         from . import torch as cn_torch
 
         return cn_torch.group_norm(input, num_groups, weight, bias, eps)
-    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, want_stats=False)[0]
+    return checked(_group_norm_call, *args)[0]
 
 
 #: activations of group_norm_act (the fused kernels' names)
@@ -132,6 +201,10 @@ def group_norm_act(
         >>> x = cupy.random.randn(16, 320, 64, 64, dtype=cupy.float32).astype(cupy.float16)
         >>> y = cupynorm.group_norm_act(x, 32)      # silu(group_norm(x, 32))
     """
+    args = (input, num_groups, weight, bias, eps, activation, shift)
+    out = _replayed(_group_norm_call, *args)
+    if out is not None:
+        return out[0]
     if _is_foreign(input):
         w, b, s = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias, shift))
         out = group_norm_act(_to_cupy(input), num_groups, w, b, eps, activation, s)
@@ -146,12 +219,7 @@ def group_norm_act(
         from . import torch as cn_torch
 
         return cn_torch.group_norm_act(input, num_groups, weight, bias, eps, activation, shift)
-    if shift is not None:  # the kernels index it as (N, C) contiguous
-        shift = shift.contiguous() if is_torch_tensor(shift) else _cupy_contiguous(shift)
-    # fmt: off
-    return _ops.group_norm_fwd(input, num_groups, weight, bias, eps, shift, want_stats=False,
-                               act=activation)[0]
-    # fmt: on
+    return checked(_group_norm_call, *args)[0]
 
 
 def instance_norm(
@@ -182,6 +250,11 @@ def instance_norm(
     Returns:
         The normalized array, same type, shape, dtype and memory format as ``input``.
     """
+    plain = running_mean is None and running_var is None and use_input_stats
+    if plain:
+        out = _replayed(_instance_norm_call, input, weight, bias, momentum, eps)
+        if out is not None:
+            return out[0]
     if _is_foreign(input):
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         out = instance_norm(
@@ -201,9 +274,9 @@ def instance_norm(
         return _ops.batch_norm_fwd(
             input, weight, bias, running_mean, running_var, False, momentum, eps
         )[0]
+    if plain:
+        return checked(_instance_norm_call, input, weight, bias, momentum, eps)[0]
     C = input.shape[1]
-    if running_mean is None and running_var is None:
-        return _ops.group_norm_fwd(input, C, weight, bias, eps, want_stats=False)[0]
     y, mean, _, var = _ops.group_norm_fwd(input, C, weight, bias, eps, want_var=True)
     update_instance_running_stats(input, mean, var, running_mean, running_var, momentum)
     return y
@@ -254,6 +327,10 @@ def batch_norm(
     Returns:
         The normalized array, same type, shape, dtype and memory format as ``input``.
     """
+    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
+    out = _replayed(_batch_norm_call, *args)
+    if out is not None:
+        return out[0]
     if _is_foreign(input):
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         out = batch_norm(_to_cupy(input), running_mean, running_var, w, b, training, momentum, eps)
@@ -267,9 +344,7 @@ def batch_norm(
         return cn_torch.batch_norm(
             input, running_mean, running_var, weight, bias, training, momentum, eps
         )
-    return _ops.batch_norm_fwd(
-        input, weight, bias, running_mean, running_var, training, momentum, eps
-    )[0]
+    return checked(_batch_norm_call, *args)[0]
 
 
 def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
@@ -290,6 +365,9 @@ def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
     Returns:
         ``out`` of x's shape, type and dtype.
     """
+    out = _replayed(_row_norm_add_mul_call, x, y, eps)
+    if out is not None:
+        return out[0]
     if _is_foreign(x):
         other = _to_cupy(y) if _is_foreign(y) else y
         return _from_cupy(row_norm_add_mul(_to_cupy(x), other, eps), x)
@@ -298,7 +376,7 @@ def row_norm_add_mul(x: Any, y: Any, eps: float = 1e-5) -> Any:
         from . import torch as cn_torch
 
         return cn_torch.row_norm_add_mul(x, y, eps)
-    return _ops.row_norm_add_mul_fwd(x, y, eps)[0]
+    return checked(_row_norm_add_mul_call, x, y, eps)[0]
 
 
 # ---- LayerNorm and RMSNorm over the last dims, with or without a residual add -----------------
@@ -320,30 +398,32 @@ def _row_norm(
     rms: bool,
 ) -> tuple[Any, Any]:
     """(normalized output, sum or None): the shared path of the four row-norm functions."""
+    if type(normalized_shape) is list:  # as a tuple: part of the call's key
+        normalized_shape = tuple(normalized_shape)
+    args = (x, residual, normalized_shape, weight, bias, eps, rms)
+    out = _replayed(_row_norm_call, *args)
+    if out is not None:
+        return out
     if _is_foreign(x):
         r, w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (residual, weight, bias))
         y, total = _row_norm(_to_cupy(x), r, normalized_shape, w, b, eps, rms)
         return _from_cupy(y, x), (None if total is None else _from_cupy(total, x))
     dims = _validate.normalized_shape_tuple(normalized_shape)
     _validate.check_row_norm(x, residual, dims, weight, bias, eps)
-    if eps is None:
-        eps = _machine_eps(x)
     if is_torch_tensor(x) and _wants_grad(x, residual, weight, bias):
         from . import torch as cn_torch
 
+        if eps is None:
+            eps = _machine_eps(x)
         if residual is None:
             fn = cn_torch.rms_norm if rms else cn_torch.layer_norm
-            args = (weight,) if rms else (weight, bias)
-            return fn(x, dims, *args, eps=eps), None
+            grad_args = (weight,) if rms else (weight, bias)
+            return fn(x, dims, *grad_args, eps=eps), None
         if rms:
             return cn_torch.add_rms_norm(x, residual, dims, weight, eps=eps)
         return cn_torch.add_layer_norm(x, residual, dims, weight, bias, eps=eps)
-    row_len = 1
-    for d in dims:
-        row_len *= d
-    y, total, _, _ = _ops.row_norm_fwd(
-        x, residual, weight, bias, row_len, eps, rms, want_stats=False
-    )
+    # keyed by the caller's arguments: the normalized shape and eps as given (None too)
+    y, total = checked(_row_norm_call, *args)
     return y, total
 
 
@@ -444,19 +524,22 @@ def add_rms_norm(
 
 def _channel_norm(x: Any, weight: Any, bias: Any, eps: float | None, rms: bool) -> Any:
     """The shared path of layer_norm2d and rms_norm2d."""
+    out = _replayed(_channel_norm_call, x, weight, bias, eps, rms)
+    if out is not None:
+        return out[0]
     if _is_foreign(x):
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         return _from_cupy(_channel_norm(_to_cupy(x), w, b, eps, rms), x)
     _validate.check_channel_norm(x, weight, bias, eps)
-    if eps is None:
-        eps = _machine_eps(x)
     if is_torch_tensor(x) and _wants_grad(x, weight, bias):
         from . import torch as cn_torch
 
+        if eps is None:
+            eps = _machine_eps(x)
         if rms:
             return cn_torch.rms_norm2d(x, weight, eps=eps)
         return cn_torch.layer_norm2d(x, weight, bias, eps=eps)
-    return _ops.channel_norm_fwd(x, weight, bias, eps, rms, want_stats=False)[0]
+    return checked(_channel_norm_call, x, weight, bias, eps, rms)[0]
 
 
 def layer_norm2d(input: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:
