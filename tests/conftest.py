@@ -78,6 +78,21 @@ def _replay_every_recorded_call():
     _program.check_replay = None
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _every_norm_on_the_kernels_when_compiled():
+    """The torch.compile tests check cupynorm's custom ops inside compiled graphs: every norm kind
+    on the kernels there (the default leaves some kinds to Inductor:
+    tests/test_compile_policy_cpu.py pins that), restored after the session."""
+    try:
+        from cupynorm.torch import _compile_policy
+    except ImportError:  # no torch
+        yield
+        return
+    previous = _compile_policy.set_compile_kernels("all")
+    yield
+    _compile_policy.set_compile_kernels(previous)
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     """Send CPU tensors down the CUDA route (eager fast path), onto the reference kernels."""

@@ -14,6 +14,7 @@ Example::
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
+from ._compile_policy import compile_kernels, set_compile_kernels
 from .convert import replace_norms
 from .functional import (
     add_layer_norm,
@@ -67,6 +68,7 @@ __all__ = [
     "RMSNorm2d",
     "RowNormAddMul",
     "add_layer_norm",
+    "compile_kernels",
     "add_rms_norm",
     "SyncBatchNorm",
     "batch_norm",
@@ -82,4 +84,5 @@ __all__ = [
     "rms_norm",
     "rms_norm2d",
     "row_norm_add_mul",
+    "set_compile_kernels",
 ]

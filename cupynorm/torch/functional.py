@@ -65,6 +65,7 @@ from ._autograd import (
     _RowNormAddMulFunction,
     _RowNormFunction,
 )
+from ._compile_policy import inductor_takes
 from ._kernels import (
     _batch_norm_fwd,
     _channel_norm_output,
@@ -174,7 +175,7 @@ def _batch_norm_on_kernels(
         _checks.check_tensor(fn, "input", input)
         if activation is not None:
             _checks.check_epilogue(fn, input, residual, activation)
-        kernels = _use_kernels(input)
+        kernels = _use_kernels(input) and not inductor_takes("batch_norm")
         if kernels:
             _checks.check_batch_norm(*args)
     except Exception:
@@ -783,7 +784,7 @@ def layer_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm", "input", input)
-    if not _use_kernels(input):
+    if not _use_kernels(input) or inductor_takes("layer_norm"):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     # fmt: off
     return _row_norm_route("layer_norm", F.layer_norm, input, None, normalized_shape, weight,
@@ -826,7 +827,11 @@ def rms_norm(
     """
     _checks.check_tensor("rms_norm", "input", input)
     autocast = torch.is_autocast_enabled()
-    if not _use_kernels(input) or (autocast and not _AUTOCAST_RMS_NORM):
+    if (
+        not _use_kernels(input)
+        or (autocast and not _AUTOCAST_RMS_NORM)
+        or inductor_takes("rms_norm")
+    ):
         return F.rms_norm(input, normalized_shape, weight, eps)
     # fmt: off
     return _row_norm_route("rms_norm", F.rms_norm, input, None, normalized_shape, weight, None,
@@ -862,7 +867,7 @@ def add_layer_norm(
     """
     _checks.check_tensor("add_layer_norm", "x", x)
     _checks.check_tensor("add_layer_norm", "residual", residual)
-    if not _use_kernels(x) or torch.is_autocast_enabled():
+    if not _use_kernels(x) or torch.is_autocast_enabled() or inductor_takes("layer_norm"):
         total = x + residual
         return layer_norm(total, normalized_shape, weight, bias, eps), total
     # fmt: off
@@ -894,7 +899,7 @@ def add_rms_norm(
     """
     _checks.check_tensor("add_rms_norm", "x", x)
     _checks.check_tensor("add_rms_norm", "residual", residual)
-    if not _use_kernels(x) or torch.is_autocast_enabled():
+    if not _use_kernels(x) or torch.is_autocast_enabled() or inductor_takes("rms_norm"):
         total = x + residual
         return rms_norm(total, normalized_shape, weight, eps), total
     # fmt: off
@@ -998,7 +1003,7 @@ def layer_norm2d(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm2d", "input", input)
-    if not _use_kernels(input):
+    if not _use_kernels(input) or inductor_takes("channel_norm"):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     # fmt: off
     return _channel_norm_route("layer_norm2d", F.layer_norm, input, weight, bias, eps, False,
@@ -1038,7 +1043,11 @@ def rms_norm2d(
     """
     _checks.check_tensor("rms_norm2d", "input", input)
     autocast = torch.is_autocast_enabled()
-    if not _use_kernels(input) or (autocast and not _AUTOCAST_RMS_NORM):
+    if (
+        not _use_kernels(input)
+        or (autocast and not _AUTOCAST_RMS_NORM)
+        or inductor_takes("channel_norm")
+    ):
         return _over_channels(F.rms_norm, input, weight, eps)
     # fmt: off
     return _channel_norm_route("rms_norm2d", F.rms_norm, input, weight, None, eps, True,
@@ -1092,6 +1101,7 @@ def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e
     x = hidden_states
     if (
         not _use_kernels(x)
+        or inductor_takes("rms_norm")
         or x.dtype not in _LLAMA_KERNEL_DTYPES
         or x.dim() == 0
         or not isinstance(eps, (int, float))
