@@ -310,6 +310,17 @@ def _call_key(name: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, list, l
     return bk, tuple(key), tensors, pointers
 
 
+def _lookup(name: str, args: tuple, kwargs: dict) -> tuple[Any, tuple, list, list[int], Any]:
+    """:func:`_call_key`'s four and the call's recorded program (None: not recorded yet;
+    ``_UNRECORDABLE`` also for an unhashable argument, which no key can hold)."""
+    bk, key, tensors, pointers = _call_key(name, args, kwargs)
+    try:
+        program = _PROGRAMS.get(key)
+    except TypeError:
+        program = _UNRECORDABLE
+    return bk, key, tensors, pointers, program
+
+
 def _programmed(op: Any) -> Any:
     """Run ``op`` through the program cache (see above). Its first argument is a tensor.
 
@@ -318,11 +329,7 @@ def _programmed(op: Any) -> Any:
     name = op.__name__
 
     def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
-        bk, key, tensors, pointers = _call_key(name, args, kwargs)
-        try:
-            program = _PROGRAMS.get(key)
-        except TypeError:  # an unhashable argument: never recorded
-            program = _UNRECORDABLE
+        bk, key, tensors, pointers, program = _lookup(name, args, kwargs)
         if program is _UNRECORDABLE or _active.recording is not None:
             return op(*args, **kwargs), None
         if program is not None:
@@ -333,11 +340,7 @@ def _programmed(op: Any) -> Any:
         """``op(*args)`` replayed when a call with this key, every tensor on the first one's
         device, passed the caller's checks before (:func:`checked`); else None. No checks, no
         layers: the key, one lookup, the allocations and launches."""
-        try:
-            bk, key, tensors, pointers = _call_key(name, args, {})
-            program = _PROGRAMS.get(key)
-        except TypeError:  # an unhashable argument (a list): the full path
-            return None
+        bk, key, tensors, pointers, program = _lookup(name, args, {})
         if (
             type(program) is not _Program
             or CHECKED not in program.validated

@@ -106,3 +106,22 @@ def test_a_compiled_graph_holds_the_kernels_of_the_chosen_kinds(kernels, policy,
     torch.testing.assert_close(compiled.bn.running_mean, eager.bn.running_mean)
     torch.testing.assert_close(compiled.bn.running_var, eager.bn.running_var)
     assert int(compiled.bn.num_batches_tracked) == int(eager.bn.num_batches_tracked) == 1
+
+
+def test_changing_the_policy_recompiles(kernels, policy) -> None:
+    """Dynamo guards on the policy: a graph traced under one choice is not reused under another."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(" ".join(str(node.target) for node in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(cnt.LayerNorm(6), backend=backend)
+    x = torch.randn(3, 6)
+    cnt.set_compile_kernels("default")
+    compiled(x)
+    cnt.set_compile_kernels("all")
+    compiled(x)
+    torch._dynamo.reset()
+    assert ["row_norm" in graph for graph in graphs] == [False, True]
