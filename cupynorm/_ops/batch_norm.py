@@ -2,8 +2,9 @@
 or eval), optionally with a residual add and an activation fused into its apply pass; the backward,
 plain or through that epilogue.
 
-Training on channels-innermost data may take the single-launch family (:mod:`.._single`, where it
-pays); everything else is the strided family's passes. The synchronised batch norm's steps are in
+Training on channels-innermost data may take the single-launch family (:mod:`.._single`: the
+forward when turned on, the backward where it pays), chosen here for both directions; everything
+else is the strided family's passes. The synchronised batch norm's steps are in
 :mod:`.sync_batch_norm`.
 """
 
@@ -16,7 +17,15 @@ import numpy as np
 from .. import _plan, _single
 from .._launch import _STRIDED, _Call, _prepare, _scalar
 from .._program import _programmed
-from .._strided import Epilogue, _apply, _backward, _finalize, _stats_cols, _stats_rows
+from .._strided import (
+    Epilogue,
+    _apply,
+    _backward,
+    _backward_outputs,
+    _finalize,
+    _stats_cols,
+    _stats_rows,
+)
 from ._common import _match_layout, _per_channel_layout
 
 
@@ -217,8 +226,18 @@ def _batch_norm_backward(
             residual = _match_layout(call, residual, x)
             dt = call.bk.empty_strided_like(x)
         epilogue = Epilogue(act, residual, bias, dt, relu_mask)
+    outputs = None
+    if epilogue is None and layout != "contiguous" and N * C * S:
+        # channels innermost: the single-launch family where it applies (_single), chosen here
+        # as in the forward
+        outputs = dx, dweight, dbias = _backward_outputs(call, x, weight, C, needs_input_grad)
+        # fmt: off
+        if _single.batch_norm_bwd_cols(call, dy, x, save_mean, save_rstd, weight, dx, dweight,
+                                       dbias, N * S, C, training):
+            return dx, dweight, dbias, dt
+        # fmt: on
     # fmt: off
     dx, dweight, dbias = _backward(call, dy, x, save_mean, save_rstd, weight, layout, N, C, S, 0,
-                                   1, training, needs_input_grad, epilogue)
+                                   1, training, needs_input_grad, epilogue, outputs=outputs)
     # fmt: on
     return dx, dweight, dbias, dt
