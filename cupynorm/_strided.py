@@ -359,17 +359,17 @@ def _backward(
     if outputs is None:
         outputs = _backward_outputs(call, x, weight, C, needs_input_grad)
     dx, dweight, dbias = outputs
+    if N * C * S == 0:  # before any plan: an empty batch has no grid (samples: N)
+        for grad in (dweight, dbias):
+            if grad is not None:
+                call.bk.fill_zero(grad)
+        return dx, dweight, dbias
     fused = epilogue if epilogue is not None and epilogue.fused_backward else None
     extra = (fused.dt, fused.residual) if fused is not None else ()
     aligned = call.aligned(x, dy, dx, *extra)
     geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
-    if N * C * S == 0:
-        for grad in (dweight, dbias):
-            if grad is not None:
-                call.bk.fill_zero(grad)
-        return dx, dweight, dbias
     need_dx = dx is not None
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean) (of dt, with the epilogue)
