@@ -8,10 +8,10 @@ One module per norm family, mirroring ``cuda_src/``:
                       seed-002 tail row_norm_add_mul
   channel_norm.py     LayerNorm / RMSNorm over dim 1 (NCHW: channel_norm.cu; channels_last: rows)
   _common.py          helpers several families share
-Each entry checks nothing (the public layers did), picks a family and allocates; the families'
-host code is below: :mod:`.._segment`, :mod:`.._strided`, :mod:`.._single`, :mod:`.._channel`,
-over :mod:`.._launch` (what every launch shares), :mod:`.._plan` and :mod:`.._program` (the
-recording and replay of calls). Imports run only downward; channel_norm is built on row_norm.
+An entry (a recorded call, :mod:`.._program`; the channel norms route to such calls) picks the
+kernel family, allocates and hands down to the families' host code (:mod:`.._segment`,
+:mod:`.._strided`, :mod:`.._single`, :mod:`.._channel`), over :mod:`.._plan` and
+:mod:`.._launch`. Imports run only downward; channel_norm is built on row_norm.
 
 Arguments are CuPy arrays or torch CUDA tensors (all of one kind per call), already validated by
 the public layer. Outputs are allocated by the caller's framework and kernels run on that
