@@ -74,7 +74,7 @@ def _instance_bwd_on_chip(
     if plan is None:
         return None
     dx = call.bk.empty_strided_like(x)
-    if plan.vectorized and not call.aligned(dx):  # fresh allocations are: never seen
+    if plan.vectorized and not call.aligned(dx):  # never: CuPy and torch align blocks to 512 B
         plan = _plan.plan_segment(S, call.itemsize, False, call.info, tensors=2)
         if plan is None:
             return None
