@@ -66,11 +66,18 @@ def _instance_bwd_on_chip(
     needs_input_grad: tuple[bool, bool, bool],
 ) -> tuple | None:
     """InstanceNorm backward with each plane's x and dy held on chip (segment_norm.cu): three
-    passes over the tensors instead of five. None when a plane is too long for a team."""
-    dx = call.bk.empty_strided_like(x)
-    plan = _plan.plan_segment(S, call.itemsize, call.aligned(x, dy, dx), call.info, tensors=2)
+    passes over the tensors instead of five. None when a plane is too long for a team.
+
+    Planned before dx is allocated: a dx made for a plan that then fails would be recorded
+    (and allocated by every replay) beside the strided backward's own."""
+    plan = _plan.plan_segment(S, call.itemsize, call.aligned(x, dy), call.info, tensors=2)
     if plan is None:
         return None
+    dx = call.bk.empty_strided_like(x)
+    if plan.vectorized and not call.aligned(dx):  # never: CuPy and torch align blocks to 512 B
+        plan = _plan.plan_segment(S, call.itemsize, False, call.info, tensors=2)
+        if plan is None:
+            return None
     sums = call.stats((N * C * 2,), x)
     tickets = partials = None
     if plan.team > 1:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _compile, _plan, _single
+from . import _compile, _plan
 from ._launch import (
     _FUSED,
     _ITEMSIZE,
@@ -318,6 +318,18 @@ def _apply(
     return mask
 
 
+def _backward_outputs(
+    call: _Call, x: Any, weight: Any, C: int, needs_input_grad: tuple[bool, bool, bool]
+) -> tuple:
+    """(dx, dweight, dbias) of a backward, each None where not needed (dweight also without a
+    weight): dx laid out as x, dweight and dbias (C,) in the weight's dtype."""
+    need_dx, need_dw, need_db = needs_input_grad
+    dx = call.bk.empty_strided_like(x) if need_dx else None
+    dweight = call.grads((C,), weight, x) if need_dw and weight is not None else None
+    dbias = call.grads((C,), weight, x) if need_db else None
+    return dx, dweight, dbias
+
+
 def _backward(
     call: _Call,
     dy: Any,
@@ -335,34 +347,30 @@ def _backward(
     needs_input_grad: tuple[bool, bool, bool],
     epilogue: Epilogue | None = None,
     shift: Any = None,
+    outputs: tuple | None = None,
 ) -> tuple:
     """(dx, dweight, dbias) of y = (x - mean) * rstd * weight + bias; see strided_norm.cu.
 
     With an epilogue whose activation has a gradient (``fused_backward``), the sums pass first
-    turns dy into ``epilogue.dt`` and everything after it works on dt.
+    turns dy into ``epilogue.dt`` and everything after it works on dt. ``outputs``: the
+    gradients as :func:`_backward_outputs` allocated them (by a caller that tried another
+    family first), else allocated here.
     """
-    need_dx, need_dw, need_db = needs_input_grad
-    need_dw = need_dw and weight is not None
-    dx = call.bk.empty_strided_like(x) if need_dx else None
+    if outputs is None:
+        outputs = _backward_outputs(call, x, weight, C, needs_input_grad)
+    dx, dweight, dbias = outputs
+    if N * C * S == 0:  # before any plan: an empty batch has no grid (samples: N)
+        for grad in (dweight, dbias):
+            if grad is not None:
+                call.bk.fill_zero(grad)
+        return dx, dweight, dbias
     fused = epilogue if epilogue is not None and epilogue.fused_backward else None
     extra = (fused.dt, fused.residual) if fused is not None else ()
     aligned = call.aligned(x, dy, dx, *extra)
     geo = _elementwise(call, layout, N, C, S, groups, cpg, aligned, _plan.SPLIT_CTAS_PER_SM)
     num_sets = N * groups if groups > 0 else C
     count = cpg * S if groups > 0 else N * S
-    dweight = call.grads((C,), weight, x) if need_dw else None
-    dbias = call.grads((C,), weight, x) if need_db else None
-    if N * C * S == 0:
-        for grad in (dweight, dbias):
-            if grad is not None:
-                call.bk.fill_zero(grad)
-        return dx, dweight, dbias
-    if not geo.rows and groups == 0 and fused is None:  # BatchNorm, channels last: one launch?
-        # fmt: off
-        if _single.batch_norm_bwd_cols(call, dy, x, mean, rstd, weight, dx, dweight, dbias,
-                                       N * S, C, training):
-            return dx, dweight, dbias
-        # fmt: on
+    need_dx = dx is not None
     u, v = (call.stats((num_sets,), x) for _ in range(2)) if need_dx else (None, None)
     # pass 1: per (n, c, tile) sums of dy and dy * (x - mean) (of dt, with the epilogue)
     partials = _bwd_sums(call, dy, x, mean, geo, C, weight, rstd, fused, shift)

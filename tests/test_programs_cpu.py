@@ -284,6 +284,36 @@ def test_outputs_like_an_input_are_allocated_like_it(launches) -> None:
     assert any(like == 0 for _allocate, like in program.allocations)  # empty_like(x)
 
 
+def test_instance_norm_backward_off_chip_allocates_one_dx(launches) -> None:
+    """A plane too long for the on-chip InstanceNorm backward takes the strided passes; the
+    on-chip attempt allocates nothing first, so the replay allocates dx once."""
+    x = torch.rand(1, 2, 600, 600)  # 1.4 MB planes of fp32: x and dy are over a team's memory
+    _y, mean, rstd = _ops.group_norm_fwd(x, 2, None, None, 1e-5)
+    _ops.group_norm_bwd(torch.rand_like(x), x, mean, rstd, None, 2, (True, False, False))
+    bwd = [p for key, p in _program._PROGRAMS.items() if key[0] == "group_norm_bwd"]
+    assert [k for k, *_ in launches][-3:] == [
+        "strided_norm_bwd_sums_rows",
+        "strided_norm_bwd_finalize",
+        "strided_norm_bwd_dx_rows",
+    ]
+    assert [like for _allocate, like in bwd[0].allocations if like is not None] == [1]  # dx
+
+
+@pytest.mark.parametrize("act", [None, "silu"], ids=["plain", "silu"])
+def test_group_norm_backward_of_an_empty_channels_last_batch(launches, act) -> None:
+    """No sample, so no grid to plan: the gradients of the parameters are zeros, no launch."""
+    x = torch.rand(0, 8, 3, 3).to(memory_format=torch.channels_last)
+    w, b = torch.rand(8), torch.rand(8)
+    _y, mean, rstd = _ops.group_norm_fwd(x, 2, w, b, 1e-5)
+    dy, needs = torch.rand_like(x), (True, True, True)
+    if act is None:
+        dx, dw, db = _ops.group_norm_bwd(dy, x, mean, rstd, w, 2, needs)
+    else:
+        dx, dw, db = _ops.group_norm_act_bwd(dy, x, mean, rstd, w, b, 2, needs, act)
+    assert dx.shape == x.shape and dx.stride() == x.stride()
+    assert not dw.any() and not db.any() and not launches
+
+
 # ---- the single-launch family ----------------------------------------------------------------
 def _bn_cl(shape=(4, 16, 5, 7)):
     x = torch.rand(shape).to(memory_format=torch.channels_last)
