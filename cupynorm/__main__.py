@@ -1,4 +1,7 @@
-"""Command line of cupynorm: `python -m cupynorm bench [...]` (also the `cupynorm` script).
+"""Command line of cupynorm (also the `cupynorm` script):
+
+    python -m cupynorm bench [...]     torch eager vs torch.compile vs cupynorm (a CUDA GPU)
+    python -m cupynorm report [...]    the results page from the bench's JSON files
 
 Importing this module is cheap: torch and CuPy are imported only when a command runs, so
 `python -m cupynorm --help` works without them.
@@ -28,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_bench_arguments(bench_parser)
+    report_parser = commands.add_parser(
+        "report",
+        help="render the results page (RESULTS.md) from `bench --json` files",
+        description=bench.REPORT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_report_arguments(report_parser)
     return parser
 
 
@@ -50,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(exc.code)
     if args.command == "bench":
         return bench.run_bench(args)
+    if args.command == "report":
+        return bench.run_report(args)
     parser.print_usage(sys.stderr)
     return bench.EXIT_ENVIRONMENT
 
