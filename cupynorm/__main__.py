@@ -2,6 +2,7 @@
 
     python -m cupynorm bench [...]     torch eager vs torch.compile vs cupynorm (a CUDA GPU)
     python -m cupynorm report [...]    the results page from the bench's JSON files
+    python -m cupynorm profile [...]   where the host and GPU time of the norm layers goes
 
 Importing this module is cheap: torch and CuPy are imported only when a command runs, so
 `python -m cupynorm --help` works without them.
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from cupynorm import bench
+from cupynorm.bench import profile
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_report_arguments(report_parser)
+    profile_parser = commands.add_parser(
+        "profile",
+        help="where the norm layers' host and GPU time goes (development tool)",
+        description=profile.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_profile_arguments(profile_parser)
     return parser
 
 
@@ -62,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return bench.run_bench(args)
     if args.command == "report":
         return bench.run_report(args)
+    if args.command == "profile":
+        return profile.run_profile(args)
     parser.print_usage(sys.stderr)
     return bench.EXIT_ENVIRONMENT
 
