@@ -1,11 +1,10 @@
-"""What the profiler's subcommands share: host timing of back-to-back calls, the markdown table,
-a cProfile printout, and the floor of a norm layer written in Python."""
+"""What the profiler's subcommands share: the markdown table, a cProfile printout, the floor of a
+norm layer written in Python, and why a GPU subcommand cannot run here."""
 
 from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,30 +28,6 @@ def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], left: in
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def best_block_us(
-    fn: Callable[[], object],
-    calls: int,
-    sync: Callable[[], None],
-    blocks: int = 5,
-    warmup: int = 20,
-) -> float:
-    """Host µs per call of `fn` called back to back, no synchronization inside a block: the
-    fastest of `blocks` blocks of `calls // blocks` calls (a shared host drifts; its fastest
-    block is the code's own cost). `sync` waits for the device between blocks."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    per_block = max(1, calls // blocks)
-    best = float("inf")
-    for _ in range(blocks):
-        started = time.perf_counter()
-        for _ in range(per_block):
-            fn()
-        best = min(best, (time.perf_counter() - started) / per_block)
-        sync()
-    return best * 1e6
 
 
 def print_cprofile(fn: Callable[[], object], calls: int, title: str, top: int = 25) -> None:

@@ -215,7 +215,7 @@ def _models(workload: ModelWorkload) -> dict[str, torch.nn.Module]:
     return {name: on_device(m, workload, "cuda", dtype) for name, m in variants.items()}
 
 
-def _print_host(workload: ModelWorkload, steps: dict[str, Any], args: argparse.Namespace) -> None:
+def _print_host(steps: dict[str, Any], args: argparse.Namespace) -> None:
     """Issue times, phases, per-layer forward times, CUDA API calls, synchronizing ops."""
     import torch
 
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         f"{workload.name}: {workload.title}; input {workload.describe_input()}; cupynorm: "
         f"{workload.convert}; {torch.cuda.get_device_name()}, torch {torch.__version__}"
     )
-    _print_host(workload, steps, args)
+    _print_host(steps, args)
     if args.cprofile:
         print_cprofile(steps["cupynorm"], 5, "cupynorm's training step")
     if args.compile:
