@@ -1,4 +1,8 @@
-"""Command line of cupynorm: `python -m cupynorm bench [...]` (also the `cupynorm` script).
+"""Command line of cupynorm (also the `cupynorm` script):
+
+    python -m cupynorm bench [...]     torch eager vs torch.compile vs cupynorm (a CUDA GPU)
+    python -m cupynorm report [...]    the results page from the bench's JSON files
+    python -m cupynorm profile [...]   where the host and GPU time of the norm layers goes
 
 Importing this module is cheap: torch and CuPy are imported only when a command runs, so
 `python -m cupynorm --help` works without them.
@@ -11,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from cupynorm import bench
+from cupynorm.bench import profile
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_bench_arguments(bench_parser)
+    report_parser = commands.add_parser(
+        "report",
+        help="render the results page (RESULTS.md) from `bench --json` files",
+        description=bench.REPORT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_report_arguments(report_parser)
+    profile_parser = commands.add_parser(
+        "profile",
+        help="where the norm layers' host and GPU time goes (development tool)",
+        description=profile.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_profile_arguments(profile_parser)
     return parser
 
 
@@ -50,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _exit_code(exc.code)
     if args.command == "bench":
         return bench.run_bench(args)
+    if args.command == "report":
+        return bench.run_report(args)
+    if args.command == "profile":
+        return profile.run_profile(args)
     parser.print_usage(sys.stderr)
     return bench.EXIT_ENVIRONMENT
 

@@ -190,9 +190,34 @@ def _main(rank: int, world: int, local_rank: int, args, init_method: str | None)
     ms = {r["variant"]: r["ms_per_step"] for r in rows}
     if "torch" in ms and "cupynorm" in ms:
         print(f"cupynorm / torch step time: {ms['cupynorm'] / ms['torch']:.3f}")
-    if args.json:
+    if args.json:  # read by `python -m cupynorm report` (its two-GPU table)
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({**_environment(world), "sync_batchnorm": rows}, f, indent=2)
+
+
+def _environment(world: int) -> dict:
+    """GPU, date and versions, under the keys of `python -m cupynorm bench --json`."""
+    import datetime
+    import platform
+
+    import cupynorm
+
+    try:
+        import cupy
+
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = None
+    return {
+        "tool": "scripts/bench_sync_batchnorm.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": f"{world}x {torch.cuda.get_device_name()}",
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cupy": cupy_version,
+        "cupynorm": cupynorm.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _spawned(rank: int, world: int, args, init_method: str) -> None:
@@ -213,7 +238,9 @@ def main() -> None:
         "--variants", nargs="+", default=["torch", "cupynorm"],
         help="torch, cupynorm (their SyncBatchNorm), unsynced (torch's BatchNorm2d: DDP alone)",
     )  # fmt: skip
-    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    parser.add_argument(
+        "--json", default=None, help="write the rows and the environment here (rank 0)"
+    )
     args = parser.parse_args()
     if args.backend is None:  # NCCL takes one GPU per process: more processes than GPUs, gloo
         args.backend = "gloo" if args.spawn > torch.cuda.device_count() else "nccl"

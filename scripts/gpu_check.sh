@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the README's full test command (what a user runs: CPU and GPU
-# tests together), then the quick timing of the seed workloads.
+# tests together), then a quick bench of the three seed workloads (cupynorm checked against torch
+# eager, then timed beside torch eager and torch.compile; TIMING_ARGS adds bench options, e.g.
+# --no-compile).
 # Runs from the source tree with the machine's python3 (torch + cupy already installed there, and
 # the `test` extra: the packaging test builds the wheel with hatchling and no network).
 # With pytest-random-order installed, the suite runs a second time in random order (test
@@ -20,7 +22,8 @@ if python3 -c "import random_order" 2>/dev/null; then
     python3 -m pytest -q -p random_order --random-order ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_random.log"
     tests_rc=$(( tests_rc != 0 || PIPESTATUS[0] != 0 ))
 fi
-python3 scripts/quick_timing.py ${TIMING_ARGS:-} 2>&1 | tee "$out/timing.log"
+python3 -m cupynorm bench --quick --only instancenorm2d_fp32,groupnorm8_fp32,batchnorm2d_train_fp32 \
+    --json "$out/timing.json" ${TIMING_ARGS:-} 2>&1 | tee "$out/timing.log"
 timing_rc=${PIPESTATUS[0]}
 echo "gpu tests exit $tests_rc, timing exit $timing_rc"
 exit $(( tests_rc != 0 || timing_rc != 0 ))

@@ -105,7 +105,7 @@ def test_registry_group_norm_silu_rows() -> None:
     assert (nchw.channels_last, cl.channels_last) == (False, True)
     assert nchw.dtype == cl.dtype == "float16"
     assert by_name["groupnorm32_silu_fwdbwd_fp16"].backward
-    eager, fused = nchw.eager.build(), nchw.cupynorm.build()
+    eager, fused = bench.models.build_module(nchw.eager), bench.models.build_module(nchw.cupynorm)
     assert eager.state_dict().keys() == fused.state_dict().keys()
     torch.nn.init.normal_(eager.weight)
     torch.nn.init.normal_(eager.bias)

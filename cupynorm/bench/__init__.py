@@ -22,26 +22,31 @@ Method (the design notes' "Benchmark method"):
 The models group (`--only models`, run only when named; a group name like any workload name):
 whole training steps (zero_grad, forward, loss, backward, SGD step) of torchvision's resnet50
 (BatchNorm2d; bf16 autocast, channels_last, batch 64 and 256), of timm's efficientnet_b0 (49
-BatchNormAct2d; bf16 autocast, channels_last, batch 64), of timm's convnext_tiny (23 LayerNorm;
+BatchNormAct2d) and mobilenetv3_large_100 (46 BatchNormAct2d; both bf16 autocast,
+channels_last, batch 64), of timm's convnext_tiny (23 LayerNorm;
 bf16 autocast, channels_last, batch 64; converted with `replace_norms(include=[nn.LayerNorm])`),
 of 4 diffusers-style ResNet blocks (GroupNorm(32, 320); fp16, 16x320x64x64, channels_last and
 NCHW) and of a transformers Llama decoder (its RMSNorm layers converted), each with torch's norm
 layers and with `cupynorm.torch.fuse` of a copy (unless the row says otherwise), from the same
-weights on the same batch, in three modes: eager, graphed (the whole step captured in one CUDA
-graph) and compile (`torch.compile(model)`). Per row: step ms (median, CUDA events around whole
-steps) and the speedup over torch in the same mode; eager rows add GPU kernel and norm-kernel ms
-per step and kernel launches per norm layer (torch.profiler), the host time to issue a step and,
-from it less that of the model with its norm layers replaced by nn.Identity, the host time per
-norm layer (forward + backward). Before timing,
-the output and input gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm
-fails the row when its error is above 2x torch's. See `cupynorm.bench.train`.
+weights on the same batch, in four modes: eager, graphed (the whole step captured in one CUDA
+graph), compile (`torch.compile(model)`) and reduce-overhead (`torch.compile(model,
+mode="reduce-overhead")`: Inductor's CUDA graphs). Per row: step ms (median, CUDA events around
+whole steps) and the speedup over torch in the same mode; eager rows add GPU kernel and
+norm-kernel ms per step and kernel launches per norm layer (torch.profiler), the host time to
+issue a step and, from it less that of the model with its norm layers replaced by nn.Identity,
+the host time per norm layer (forward + backward). Before timing, the output and input
+gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm fails the row when its
+error is above 2x torch's. See `cupynorm.bench.train`.
 
 Output: one progress line per workload (and every check) on stderr; then notes and a markdown
-table on stdout, last (paste-able into benchmarks/RESULTS.md); the models group has a table of
-its own after the kernel table.
+table on stdout, last; the models group has a table of its own after the kernel table.
+`--json FILE` writes every number and the environment; `--markdown FILE` the results page
+(benchmarks/RESULTS.md's layout) of the run, and `python -m cupynorm report --markdown FILE
+a.json b.json ...` that of several runs' JSON files merged.
 
 Exit codes: 0 all good; 1 cupynorm wrong, less accurate or failing (or a workload could not be
-set up, e.g. torchvision missing for resnet50); 2 no torch / no CUDA GPU / bad arguments.
+set up); 2 no torch / no CUDA GPU / bad arguments. A model row whose model needs a package that
+is not installed (torchvision, timm, transformers) is skipped, and says so: it fails nothing.
 
 Importing this package is cheap: torch, CuPy and cupynorm's kernels are imported only when a
 benchmark runs.
@@ -49,20 +54,25 @@ benchmark runs.
 
 from __future__ import annotations
 
-# Modules: workloads (what each row runs), timing (the device facade, CUDA-event timing, L2
-# flush, copy bandwidth), checking (cupynorm vs torch), run (one workload), results, report
-# (table, notes, JSON, plot), models (models the bench defines), cli (the command line and the
-# examples' driver). The names below are the package's public surface.
+# Modules: specs (the rows' dataclasses), workloads (the rows), timing (the device facade,
+# CUDA-event timing, L2 flush, copy bandwidth), checking (cupynorm vs torch), run (one kernel
+# row), models (the modules and models the bench builds), trainstep (a model row's training
+# step), train (the models group), results, report (tables, notes, JSON, plot), markdown (the
+# results page from JSON files), cli (the command lines and the examples' driver), profile
+# (`python -m cupynorm profile`: where the time goes). The names below are the public surface.
 from .checking import TOLERANCES, TensorCheck, Tolerance, compare_tensors
 from .cli import (
     EXIT_ENVIRONMENT,
     EXIT_FAILED,
     EXIT_OK,
+    REPORT_DESCRIPTION,
     add_bench_arguments,
+    add_report_arguments,
     build_bench_parser,
     format_workload_list,
     run_bench,
     run_example_cli,
+    run_report,
 )
 from .report import (
     MODEL_TABLE_COLUMNS,
@@ -79,6 +89,7 @@ from .report import (
     table_rows,
 )
 from .results import (
+    COMPILED_MODES,
     IMPL_COMPILE,
     IMPL_CUPYNORM,
     IMPL_EAGER,
@@ -86,6 +97,7 @@ from .results import (
     MODE_COMPILE,
     MODE_EAGER,
     MODE_GRAPHED,
+    MODE_REDUCE_OVERHEAD,
     MODEL_CUPYNORM,
     MODEL_TORCH,
     MODES,
@@ -129,6 +141,7 @@ from .workloads import (
 )
 
 __all__ = [
+    "COMPILED_MODES",
     "EXIT_ENVIRONMENT",
     "EXIT_FAILED",
     "EXIT_OK",
@@ -148,6 +161,8 @@ __all__ = [
     "MODE_COMPILE",
     "MODE_EAGER",
     "MODE_GRAPHED",
+    "MODE_REDUCE_OVERHEAD",
+    "REPORT_DESCRIPTION",
     "PER_REP_OVERHEAD_MS",
     "QUICK_BUDGET",
     "TABLE_COLUMNS",
@@ -156,6 +171,7 @@ __all__ = [
     "WORKLOADS_BY_NAME",
     "AccuracyCheck",
     "add_bench_arguments",
+    "add_report_arguments",
     "build_bench_parser",
     "bytes_moved",
     "choose_reps",
@@ -180,6 +196,7 @@ __all__ = [
     "results_to_json",
     "run_bench",
     "run_example_cli",
+    "run_report",
     "run_model_workload",
     "run_workload",
     "RunContext",

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import timing, train, workloads
+from . import markdown, timing, train, workloads
 from .checking import Tolerance, compare_tensors
 from .report import (
     format_markdown_table,
@@ -103,9 +103,21 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--json", metavar="PATH", help="write all numbers and the environment")
     parser.add_argument(
+        "--markdown",
+        metavar="PATH",
+        help=(
+            "write the results page (benchmarks/RESULTS.md's layout) of this run; to merge "
+            "several runs' --json files: python -m cupynorm report"
+        ),
+    )
+    parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG bar chart of TB/s (needs matplotlib)"
     )
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip torch.compile (the models group: both compiled modes)",
+    )
     parser.add_argument(
         "--reps",
         type=_positive_int,
@@ -136,7 +148,7 @@ def format_workload_list() -> str:
     lines.append("")
     lines.append(
         "group models (run only when named: --only models): whole training steps, "
-        "eager / graphed / compile, torch's norms vs cupynorm's"
+        "eager / graphed / compile / reduce-overhead, torch's norms vs cupynorm's"
     )
     for m in workloads.MODEL_WORKLOADS:
         goal = f"; goal {m.goal_text}" if m.goal_text else ""
@@ -222,7 +234,7 @@ def run_bench(args: argparse.Namespace) -> int:
     failures = [r for r in results if r.failed]
     model_failures = [r for r in model_results if r.failed]
     exit_code = EXIT_FAILED if failures or model_failures else EXIT_OK
-    if args.json:
+    if args.json or args.markdown:
         report = results_to_json(
             results,
             environment=environment,
@@ -231,8 +243,14 @@ def run_bench(args: argparse.Namespace) -> int:
             exit_code=exit_code,
             models=model_results,
         )
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        _progress(f"wrote {args.json}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+            _progress(f"wrote {args.json}")
+        if args.markdown:
+            name = Path(args.json).name if args.json else "this run"
+            page = markdown.render(markdown.merge([(name, json.loads(json.dumps(report)))]))
+            Path(args.markdown).write_text(page)
+            _progress(f"wrote {args.markdown}")
     if want_plot and results:
         try:
             plot_results(results, copy_tbps, args.plot)
@@ -260,6 +278,38 @@ def run_bench(args: argparse.Namespace) -> int:
         print()
         print(format_models_table(model_results), flush=True)
     return exit_code
+
+
+REPORT_DESCRIPTION = """Render the results page (benchmarks/RESULTS.md) from JSON files.
+
+The files are what `python -m cupynorm bench --json FILE` wrote (one per GPU call: the kernels,
+the models group, ...) and what `scripts/bench_sync_batchnorm.py --json FILE` wrote (two GPUs).
+Rows are merged by name, a later file's row replacing an earlier one's; the header names the GPU,
+date and versions of every file. Needs neither torch nor a GPU.
+"""
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `python -m cupynorm report`."""
+    parser.add_argument("files", nargs="+", metavar="FILE.json", help="bench --json outputs")
+    parser.add_argument(
+        "--markdown", metavar="PATH", help="write the page here (default: print it)"
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """`python -m cupynorm report`: merge the JSON files, render, write or print."""
+    try:
+        page = markdown.render(markdown.load(args.files))
+    except ValueError as exc:
+        print(f"cupynorm report: {exc}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
+    if args.markdown:
+        Path(args.markdown).write_text(page)
+        print(f"wrote {args.markdown}", file=sys.stderr)
+    else:
+        print(page, end="")
+    return EXIT_OK
 
 
 def _run_kernel_workload(workload: Workload, context: RunContext, counter: str) -> WorkloadResult:
@@ -299,9 +349,8 @@ def _run_model(workload: ModelWorkload, context: RunContext, counter: str) -> Mo
         else f"{step.mode} {step.impl} ERROR"
         for step in result.steps
     )
-    _progress(
-        f"{counter} {workload.name} done in {result.seconds:.1f} s: {summary or result.error}"
-    )
+    outcome = summary or result.error or f"skipped: {result.skipped}"
+    _progress(f"{counter} {workload.name} done in {result.seconds:.1f} s: {outcome}")
     return result
 
 

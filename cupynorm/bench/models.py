@@ -1,11 +1,12 @@
 """Models the bench builds (torch imported on first use).
 
-- seed 002's reference models (KernelBench level 2, 28) for the `row_norm_add_mul_fp32` and
-  `seed002_model_fp32` rows;
+- the kernel rows' modules (`build_module`): torch's and cupynorm's by name, and the reference
+  modules of the "bench" namespace (seed 002's models, KernelBench level 2, 28; the eager side of
+  the fused and channel-norm rows);
 - the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()`, timm's
-  `efficientnet_b0` and `convnext_tiny`, a stack of diffusers-style ResNet blocks with
-  GroupNorm(32) (diffusers is not a dependency: the block is written here) and a transformers
-  Llama decoder (random init).
+  `efficientnet_b0`, `mobilenetv3_large_100`, `convnext_tiny` and `vit_base_patch16_224`, a
+  stack of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not a dependency: the
+  block is written here) and a transformers Llama decoder (random init).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .specs import ModelWorkload, ModuleSpec
+
 if TYPE_CHECKING:
     import torch
 
-    from .workloads import ModelWorkload
+# Packages some model rows need and the bench does not: without one, those rows are skipped.
+OPTIONAL_PACKAGES = ("torchvision", "timm", "transformers")
 
 _SEED002_CLASSES: dict[str, type] = {}
 
@@ -198,6 +202,13 @@ def resnet50(workload: ModelWorkload) -> torch.nn.Module:
     return torchvision_models.resnet50(num_classes=workload.num_classes)
 
 
+def mobilenetv3(workload: ModelWorkload) -> torch.nn.Module:
+    """timm's `mobilenetv3_large_100` (random weights; its 46 norms are BatchNormAct2d: BatchNorm
+    then ReLU, Hardswish or nothing); an ImportError when timm is missing."""
+    timm = importlib.import_module("timm")
+    return timm.create_model("mobilenetv3_large_100", num_classes=workload.num_classes)
+
+
 def efficientnet_b0(workload: ModelWorkload) -> torch.nn.Module:
     """timm's `efficientnet_b0` (random weights; its 49 norms are BatchNormAct2d: BatchNorm then
     SiLU); an ImportError when timm is missing."""
@@ -269,6 +280,7 @@ def vit_base(workload: ModelWorkload) -> torch.nn.Module:
 MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "resnet50": resnet50,
     "efficientnet_b0": efficientnet_b0,
+    "mobilenetv3": mobilenetv3,
     "convnext_tiny": convnext_tiny,
     "vit_base": vit_base,
     "gn_resnet_blocks": gn_resnet_blocks,
@@ -280,6 +292,22 @@ MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
 def build_model(workload: ModelWorkload) -> torch.nn.Module:
     """The workload's model, built by its factory in MODEL_FACTORIES."""
     return MODEL_FACTORIES[workload.model](workload)
+
+
+def build_module(spec: ModuleSpec) -> torch.nn.Module:
+    """A kernel row's module (on the CPU, float32, like `torch.nn` modules): the "bench"
+    namespace's classes from this module, any other namespace imported by name."""
+    if spec.namespace == "bench":
+        classes = {
+            **seed002_module_classes(),
+            **row_norm_module_classes(),
+            **epilogue_module_classes(),
+            **channel_norm_module_classes(),
+        }
+        cls = classes[spec.class_name]
+    else:
+        cls = getattr(importlib.import_module(spec.namespace), spec.class_name)
+    return cls(*spec.args, **dict(spec.kwargs))
 
 
 def _norm_kinds() -> tuple[type, ...]:
@@ -299,11 +327,16 @@ def _is_norm(module: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
     return isinstance(module, kinds) or "RMSNorm" in type(module).__name__
 
 
-def count_norm_layers(model: torch.nn.Module) -> int:
-    """BatchNorm / GroupNorm / InstanceNorm / LayerNorm / RMSNorm modules of the model
-    (cupynorm's modules subclass torch's, so they count too)."""
+def norm_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The BatchNorm / GroupNorm / InstanceNorm / LayerNorm / RMSNorm modules of the model, in
+    model order (cupynorm's modules subclass torch's, so they count too)."""
     kinds = _norm_kinds()
-    return sum(1 for module in model.modules() if _is_norm(module, kinds))
+    return [module for module in model.modules() if _is_norm(module, kinds)]
+
+
+def count_norm_layers(model: torch.nn.Module) -> int:
+    """How many `norm_layers` the model has."""
+    return len(norm_layers(model))
 
 
 def strip_norms(model: torch.nn.Module) -> torch.nn.Module:

@@ -201,6 +201,7 @@ def results_to_json(
                 "goal_ms_this_run": goal,
                 "goal_text": w.goal_text,
                 "goal_met": result.goal_met(goal),
+                "note": w.note,
                 "error": result.error,
                 "seconds": result.seconds,
                 "checks": [
@@ -322,6 +323,9 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
         if result.error is not None and not result.steps:
             rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 8)
             continue
+        if result.skipped is not None:
+            rows.append([name, "-", "-", "skipped: " + _escape_cell(result.skipped)] + ["-"] * 8)
+            continue
         for step in result.steps:
             row = [name, step.mode, step.impl]
             if step.ms is None:
@@ -360,7 +364,9 @@ def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
         "norm layers vs cupynorm.torch.fuse, same initial weights and batch. "
         "step ms: median over steps, CUDA events around whole steps, after warm-up; vs torch: "
         "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
-        "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode.",
+        "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode; "
+        'reduce-overhead: torch.compile(model, mode="reduce-overhead") (Inductor\'s CUDA '
+        "graphs; loss and optimizer eager).",
         "Eager rows: torch's and cupynorm's steps timed in rounds that alternate them, their "
         "issue times interleaved alike; kernel ms / norm ms = GPU kernel time per step, all "
         "kernels / norm kernels "
@@ -422,6 +428,7 @@ def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
                     "norm_kernel_ms_by_name": step.norm_kernel_ms_by_name,
                     "host_us": step.host_us,
                     "host_us_per_norm_layer": result.host_us_per_norm_layer(step),
+                    "note": step.note,
                     "error": step.error,
                 }
             )
@@ -439,9 +446,13 @@ def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
                 "norm_layers": result.norm_layers,
                 "host_us_without_norms": result.host_us_without_norms,
                 "goal_text": w.goal_text,
+                "goal_speedup": w.goal_speedup,
+                "goal_modes": list(w.goal_modes),
+                "note": w.note,
                 "accuracy": accuracy,
                 "accuracy_error": result.accuracy_error,
                 "error": result.error,
+                "skipped": result.skipped,
                 "failure": result.failure(),
                 "seconds": result.seconds,
                 "steps": steps,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .checking import TensorCheck, accuracy_ok
-from .workloads import ModelWorkload, Workload
+from .specs import ModelWorkload, Workload
 
 IMPL_EAGER = "torch eager"
 IMPL_COMPILE = "torch.compile"
@@ -16,7 +16,9 @@ IMPLEMENTATIONS = (IMPL_EAGER, IMPL_COMPILE, IMPL_CUPYNORM)
 MODE_EAGER = "eager"
 MODE_GRAPHED = "graphed"
 MODE_COMPILE = "compile"
-MODES = (MODE_EAGER, MODE_GRAPHED, MODE_COMPILE)
+MODE_REDUCE_OVERHEAD = "reduce-overhead"  # torch.compile(mode="reduce-overhead")
+COMPILED_MODES = (MODE_COMPILE, MODE_REDUCE_OVERHEAD)
+MODES = (MODE_EAGER, MODE_GRAPHED, *COMPILED_MODES)
 MODEL_TORCH = "torch"
 MODEL_CUPYNORM = "cupynorm"
 MODEL_IMPLS = (MODEL_TORCH, MODEL_CUPYNORM)
@@ -104,6 +106,7 @@ class StepResult:
     norm_kernel_ms_by_name: dict[str, float] = field(default_factory=dict)
     host_us: float | None = None  # wall time to issue one step, no sync inside
     error: str | None = None
+    note: str = ""  # what the mode did not do as asked (reduce-overhead: graphs run ungraphed)
 
     def norm_launches_per_layer(self, norm_layers: int) -> float | None:
         """Norm-kernel launches per step divided by the number of norm layers."""
@@ -148,7 +151,8 @@ class ModelResult:
     accuracy: AccuracyCheck | None = None
     accuracy_error: str | None = None
     steps: list[StepResult] = field(default_factory=list)
-    error: str | None = None  # the model could not be set up at all (e.g. torchvision missing)
+    error: str | None = None  # the model could not be set up at all
+    skipped: str | None = None  # why the row did not run (a package it needs is not installed)
     seconds: float = 0.0
     # eager host time to issue a step of the same model with its norm layers replaced by
     # nn.Identity: the baseline of host_us_per_norm_layer
@@ -170,7 +174,8 @@ class ModelResult:
 
     def failure(self) -> str | None:
         """Why this model's row fails the run, or None: no setup, an accuracy check failed or
-        could not run, or cupynorm failed in a mode where torch's step ran."""
+        could not run, or cupynorm failed in a mode where torch's step ran. A skipped row does
+        not fail."""
         if self.error is not None:
             return self.error
         if self.accuracy_error is not None:

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import timing
+from . import models, timing
 from .checking import TOLERANCES, TensorCheck, Tolerance, compare_tensors
 from .results import IMPL_COMPILE, IMPL_CUPYNORM, IMPL_EAGER, ImplResult, WorkloadResult
+from .specs import Workload
 from .timing import ESTIMATE_REPS, TimingBudget, choose_reps, time_cuda_ms, time_per_call_ms
-from .workloads import Workload
 
 if TYPE_CHECKING:
     import torch
@@ -254,13 +254,13 @@ def run_workload(workload: Workload, context: RunContext) -> WorkloadResult:
     dtype = _torch_dtype(workload.dtype)
     try:
         torch.manual_seed(0)
-        eager_module = workload.eager.build()
+        eager_module = models.build_module(workload.eager)
         _perturb_affine_and_running_stats(eager_module, seed=1)
         cupynorm_module: torch.nn.Module | None = None
         cupynorm_error: str | None = None
         try:
             torch.manual_seed(0)
-            cupynorm_module = workload.cupynorm.build()
+            cupynorm_module = models.build_module(workload.cupynorm)
             cupynorm_module.load_state_dict(eager_module.state_dict())
             cupynorm_module.to(device=device, dtype=dtype).train()
         except Exception as exc:  # noqa: BLE001 - reported as cupynorm's error

@@ -6,8 +6,8 @@ For each model workload, in one process, from the same initial weights and on th
    of the loss with respect to the input, of torch in fp32 and of cupynorm in fp32, each against
    torch in float64 (`checking.max_relative_error`). cupynorm fails the row when its error is
    above 2x torch's (+ a tiny floor).
-2. Three modes, each with torch's model and with `cupynorm.torch.fuse(copy.deepcopy(
-   model))`, each from a fresh copy of the initial weights:
+2. Four modes, each with torch's model and with `cupynorm.torch.fuse(copy.deepcopy(
+   model))` (or the row's other conversion), each from a fresh copy of the initial weights:
    - eager: the step as written (`TrainStep`);
    - graphed: the whole step (zero_grad, forward, loss, backward, SGD step) captured in one CUDA
      graph with `torch.cuda.graph` after eager warm-up steps on a side stream, then replayed
@@ -22,6 +22,13 @@ For each model workload, in one process, from the same initial weights and on th
      the momentum buffers are created by the warm-up steps, outside the capture. A capture that
      fails is reported in that cell.
    - compile: `torch.compile(model)` in its default mode; the optimizer stays eager.
+   - reduce-overhead: `torch.compile(model, mode="reduce-overhead")`: Inductor records the
+     compiled forward and backward in CUDA graphs (its cudagraph trees; each step begins with
+     `torch.compiler.cudagraph_mark_step_begin`); the optimizer and the loss stay eager. Where
+     Inductor declines to graph (an op it cannot capture), it runs the compiled code without
+     graphs and says why: the count of such skips is the cell's `note`.
+   A mode that cannot run (a capture refused, a compile error) is that cell's error, the other
+   cells and the row go on; `--no-compile` leaves out both compiled modes.
    Step time: the median of several steps, CUDA events around each whole step, after warm-up
    steps (compiling / capturing happens there and is reported apart). The two eager steps are
    built together and timed in alternating rounds (`EAGER_ROUNDS`); should both not fit in
@@ -32,28 +39,30 @@ For each model workload, in one process, from the same initial weights and on th
    its norm layers replaced by `nn.Identity`: the difference per norm layer is the host time of
    one norm layer's forward and backward, torch's and cupynorm's.
 
-torch, torchvision and cupynorm are imported when a workload runs; a model that cannot be built
-(torchvision missing, ...) becomes an error row.
+torch, torchvision and cupynorm are imported when a workload runs; a row whose model needs a
+package that is not installed (torchvision, timm, transformers: `models.OPTIONAL_PACKAGES`) is
+skipped (a row that says so; the run does not fail), a model that cannot be built otherwise
+becomes an error row.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import models, timing
 from .checking import max_relative_error
 from .results import (
+    COMPILED_MODES,
     MODE_COMPILE,
     MODE_EAGER,
     MODE_GRAPHED,
+    MODE_REDUCE_OVERHEAD,
     MODEL_CUPYNORM,
     MODEL_IMPLS,
     AccuracyCheck,
@@ -61,8 +70,17 @@ from .results import (
     StepResult,
 )
 from .run import RunContext, _error_text, _progress, _release_device_memory
+from .specs import ModelWorkload
 from .timing import time_cuda_ms
-from .workloads import ModelWorkload
+from .trainstep import (
+    KernelSummary,
+    TrainStep,
+    convert_model,
+    make_batch,
+    on_device,
+    summarize_kernels,
+    training_loss,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -79,183 +97,10 @@ HOST_STEPS = 9  # eager steps whose issue time is measured (median)
 # code measured 0.54x and 0.86x of torch's step when each was timed in one block).
 EAGER_ROUNDS = 3
 PROFILE_STEPS = 2  # eager steps under torch.profiler
-SGD_MOMENTUM = 0.9
-MSE_SCALE = 5e-4  # see _loss
 # torch.compile(model, **COMPILE_OPTIONS): the default mode.
 COMPILE_OPTIONS: dict[str, Any] = {}
-
-# Lower-case pieces of kernel names counted as norm kernels: torch's BatchNorm (native and
-# cuDNN: batch_norm_*, welford_*, bn_*), torch's GroupNorm (RowwiseMoments, ComputeFusedParams,
-# GroupNorm*Kernel lambdas, the backward's gradient kernels), torch's LayerNorm / RMSNorm
-# (*layer_norm*, GammaBeta*), cupynorm's (cuda_src/*.cu: segment_norm_*, strided_norm_*,
-# channel_norm_*, row_norm_*, and fused_norm_*, which also do the add and activation they
-# absorbed). Layout copies a norm makes around its kernels are not counted.
-NORM_KERNEL_PATTERNS = (
-    "batch_norm",
-    "batchnorm",
-    "bn_",
-    "welford",
-    "group_norm",
-    "groupnorm",
-    "layer_norm",
-    "rowwisemoments",
-    "fusedparams",
-    "internalgradients",
-    "gammabeta",
-    "segment_norm_",
-    "strided_norm_",
-    "fused_norm_",
-    "channel_norm_",
-    "row_norm_",
-    "sync_norm_",
-)
-
-
-def is_norm_kernel(name: str) -> bool:
-    """Whether a kernel's name marks it as part of a normalization layer."""
-    lowered = name.lower()
-    return any(pattern in lowered for pattern in NORM_KERNEL_PATTERNS)
-
-
-@dataclass
-class KernelSummary:
-    """Kernel time and launches per step, from the profiler's kernel list."""
-
-    kernel_ms: float
-    norm_kernel_ms: float
-    kernels: float
-    norm_kernels: float
-    norm_kernel_ms_by_name: dict[str, float]
-
-
-def summarize_kernels(events: Sequence[tuple[str, float]], steps: int) -> KernelSummary:
-    """Per-step totals of (name, microseconds) kernel events recorded over `steps` steps."""
-    steps = max(steps, 1)
-    by_name: dict[str, float] = {}
-    total_us = norm_us = 0.0
-    norm_count = 0
-    for name, us in events:
-        total_us += us
-        if is_norm_kernel(name):
-            norm_us += us
-            norm_count += 1
-            by_name[name] = by_name.get(name, 0.0) + us / 1e3 / steps
-    ordered = dict(sorted(by_name.items(), key=lambda item: -item[1]))
-    return KernelSummary(
-        kernel_ms=total_us / 1e3 / steps,
-        norm_kernel_ms=norm_us / 1e3 / steps,
-        kernels=len(events) / steps,
-        norm_kernels=norm_count / steps,
-        norm_kernel_ms_by_name=ordered,
-    )
-
-
-# ------------------------------------------------------------------------------------------------
-# The training step
-# ------------------------------------------------------------------------------------------------
-
-
-def _loss(workload: ModelWorkload, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    import torch.nn.functional as F
-
-    if workload.loss == "cross_entropy":
-        return F.cross_entropy(output, target)
-    if workload.loss == "token_cross_entropy":  # logits (batch, sequence, vocabulary)
-        return F.cross_entropy(output.flatten(0, -2), target.flatten())
-    # Summed and scaled so that the output's gradient is 1e-3 * (output - target): a normal fp16
-    # number (a mean over 21M elements would give ~1e-7, below fp16's normal range), and parameter
-    # gradients and momentum buffers far below fp16's 65504 (checked over 25 steps on the CPU at
-    # the rows' channels and resolution). The target's dtype (fp32; fp64 in the accuracy check)
-    # is the loss's.
-    return F.mse_loss(output.to(target.dtype), target, reduction="sum") * MSE_SCALE
-
-
-class TrainStep:
-    """One training step on fixed tensors: zero the gradients (to None), forward (under autocast
-    when the workload asks), loss, backward, SGD step.
-
-    The same callable runs eager, is captured whole for the graphed mode, and runs a compiled
-    forward for the compile mode. Gradients set to None before the forward means the backward
-    allocates them: in a capture, from the graph's pool, where every replay rewrites them.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        workload: ModelWorkload,
-        inputs: torch.Tensor,
-        target: torch.Tensor,
-        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> None:
-        import torch
-
-        self.model = model
-        self.forward = forward if forward is not None else model
-        self.workload = workload
-        self.inputs = inputs
-        self.target = target
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=workload.lr, momentum=SGD_MOMENTUM)
-
-    def __call__(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        with timing.cuda.autocast(self.workload.autocast):
-            output = self.forward(self.inputs)
-            loss = _loss(self.workload, output, self.target)
-        loss.backward()
-        self.optimizer.step()
-
-
-def _make_batch(
-    workload: ModelWorkload, batch: int, device: Any, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A standard-normal input in the workload's layout and a random target: class labels for
-    cross-entropy, a standard-normal tensor of the input's shape (in fp32, or fp64 for an fp64
-    input) for mse."""
-    import torch
-
-    generator = torch.Generator(device=device).manual_seed(seed)
-    shape = (batch, *workload.input_shape[1:])
-    layout = torch.channels_last if workload.channels_last else torch.contiguous_format
-    inputs = torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
-    inputs.normal_(generator=generator)
-    if workload.loss == "cross_entropy":
-        target = torch.randint(
-            0, workload.num_classes, (batch,), device=device, generator=generator
-        )
-    elif workload.loss == "token_cross_entropy":  # a label per position of the sequence
-        target = torch.randint(
-            0, workload.num_classes, shape[:2], device=device, generator=generator
-        )
-    else:
-        target_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        target = torch.empty(shape, dtype=target_dtype, device=device, memory_format=layout)
-        target.normal_(generator=generator)
-    return inputs, target
-
-
-def _convert(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.Module:
-    """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
-    the norms converted and a BatchNorm2d's following activation and residual add folded into
-    it, or transformers' RMSNorm layers or the LayerNorm layers converted (imported here: it
-    needs torch and registers ops)."""
-    cnt = importlib.import_module("cupynorm.torch")
-    if workload.convert == "llama_rms_norm":
-        return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
-    if workload.convert == "layer_norms":
-        return cnt.replace_norms(model, include=[importlib.import_module("torch").nn.LayerNorm])
-    return cnt.fuse(model)
-
-
-def _on_device(
-    model: torch.nn.Module, workload: ModelWorkload, device: Any, dtype: torch.dtype
-) -> torch.nn.Module:
-    """The model moved to the device and dtype, in the workload's layout, in training mode."""
-    import torch
-
-    model = model.to(device=device, dtype=dtype)
-    if workload.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model.train()
+# torch.compile(model, **REDUCE_OVERHEAD_OPTIONS): Inductor with its CUDA graphs (cudagraph trees)
+REDUCE_OVERHEAD_OPTIONS: dict[str, Any] = {"mode": "reduce-overhead"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +115,7 @@ def _output_and_input_grad(
 
     inputs = inputs.detach().requires_grad_(True)
     output = model(inputs)
-    (grad,) = torch.autograd.grad(_loss(workload, output, target), [inputs])
+    (grad,) = torch.autograd.grad(training_loss(workload, output, target), [inputs])
     return output.detach(), grad.detach()
 
 
@@ -285,9 +130,9 @@ def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCh
     matmul.allow_tf32 = False
     cudnn.allow_tf32 = False
     try:
-        inputs64, target64 = _make_batch(workload, batch, device, torch.float64, seed=11)
+        inputs64, target64 = make_batch(workload, batch, device, torch.float64, seed=11)
         reference = _output_and_input_grad(
-            _on_device(copy.deepcopy(base), workload, device, torch.float64),
+            on_device(copy.deepcopy(base), workload, device, torch.float64),
             workload,
             inputs64,
             target64,
@@ -295,8 +140,8 @@ def check_accuracy(base: torch.nn.Module, workload: ModelWorkload) -> AccuracyCh
         inputs32 = inputs64.float()
         target32 = target64 if not target64.is_floating_point() else target64.float()
         errors = []
-        for make in (copy.deepcopy, lambda m: _convert(copy.deepcopy(m), workload)):
-            model = _on_device(make(base), workload, device, torch.float32)
+        for make in (copy.deepcopy, lambda m: convert_model(copy.deepcopy(m), workload)):
+            model = on_device(make(base), workload, device, torch.float32)
             output, grad = _output_and_input_grad(model, workload, inputs32, target32)
             errors.append(
                 (max_relative_error(output, reference[0]), max_relative_error(grad, reference[1]))
@@ -341,7 +186,7 @@ def _host_us_without_norms(
     import torch
 
     model = models.strip_norms(copy.deepcopy(base))
-    model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
+    model = on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
     step = TrainStep(model, workload, *batch)
     for _ in range(WARMUP_STEPS):
         step()
@@ -398,19 +243,40 @@ def _built_step(
 
     model = copy.deepcopy(base)
     if impl == MODEL_CUPYNORM:
-        model = _convert(model, workload)
-    model = _on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
-    forward = torch.compile(model, **COMPILE_OPTIONS) if mode == MODE_COMPILE else None
-    trainer = TrainStep(model, workload, *batch, forward=forward)
+        model = convert_model(model, workload)
+    model = on_device(model, workload, timing.cuda.device(), getattr(torch, workload.dtype))
+    forward = None
+    if mode == MODE_COMPILE:
+        forward = torch.compile(model, **COMPILE_OPTIONS)
+    elif mode == MODE_REDUCE_OVERHEAD:
+        forward = torch.compile(model, **REDUCE_OVERHEAD_OPTIONS)
+    trainer = TrainStep(
+        model, workload, *batch, forward=forward, mark_step=mode == MODE_REDUCE_OVERHEAD
+    )
     step: Callable[[], object] = trainer
+    skips_before = _cudagraph_skips()
     started = time.perf_counter()
     if mode == MODE_GRAPHED:
         step = timing.cuda.capture_graph(trainer, warmup=GRAPH_WARMUP_STEPS)
     else:
-        step()  # compile mode: compiles forward and backward here
+        step()  # compiled modes: compile forward and backward here
+        if mode == MODE_REDUCE_OVERHEAD:
+            step()  # the cudagraph trees record on the second call, replay from the third
     timing.cuda.synchronize()
     result.setup_s = time.perf_counter() - started
+    skipped = _cudagraph_skips() - skips_before
+    if skipped:
+        result.note = f"Inductor ran {skipped} graph(s) without CUDA graphs (see its log)"
     return step
+
+
+def _cudagraph_skips() -> int:
+    """Graphs Inductor compiled but declined to run as CUDA graphs so far (its counter)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return 0
+    return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
 def _record_times(result: StepResult, times: list[float]) -> None:
@@ -532,6 +398,8 @@ def _step_line(result: StepResult) -> str:
     line = f"    {result.mode} {result.impl}: {result.ms:.4g} ms/step"
     if result.setup_s is not None and result.mode != MODE_EAGER:
         line += f" (setup {result.setup_s:.1f} s)"
+    if result.note:
+        line += f"; {result.note}"
     if result.kernel_ms is not None:
         line += (
             f"; kernels {result.kernel_ms:.4g} ms, norm kernels {result.norm_kernel_ms:.4g} ms, "
@@ -549,7 +417,14 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
         torch.manual_seed(0)
         base = models.build_model(workload)
         result.norm_layers = models.count_norm_layers(base)
-    except Exception as exc:  # noqa: BLE001 - e.g. torchvision missing: an error row
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        if package not in models.OPTIONAL_PACKAGES:
+            raise
+        result.skipped = f"{package} is not installed"
+        _progress(f"    skipped: {result.skipped}")
+        return result
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot be built: an error row
         result.error = "setup failed: " + _error_text(exc)
         _progress(f"    {result.error}")
         return result
@@ -570,7 +445,7 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
     _release_memory_reporting_failure()
 
     try:
-        batch = _make_batch(
+        batch = make_batch(
             workload,
             workload.input_shape[0],
             timing.cuda.device(),
@@ -587,7 +462,7 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
         _progress(f"    host time without norm layers failed: {_error_text(exc)}")
     _release_memory_reporting_failure()
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
-    modes = [MODE_EAGER, MODE_GRAPHED] + ([MODE_COMPILE] if context.compile_enabled else [])
+    modes = [MODE_EAGER, MODE_GRAPHED] + (list(COMPILED_MODES) if context.compile_enabled else [])
     for mode in modes:
         if mode == MODE_EAGER:
             step_results = _run_eager_safely(base, workload, batch, steps)

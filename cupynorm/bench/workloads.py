@@ -1,61 +1,39 @@
 """The benchmark's workloads: what each row builds and feeds, its traffic and its goal.
 
-Nothing here imports torch: `ModuleSpec.build` imports the module's namespace when called.
+Nothing here imports torch or another bench module but `specs` (the rows' dataclasses).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+from .specs import ModelWorkload, ModuleSpec, Shape, Workload, shape_text
 
-Shape = tuple[int, ...]
+__all__ = [  # the dataclasses re-exported: `workloads` is where the bench's rows are found
+    "H200_COPY_TBPS",
+    "ITEMSIZE",
+    "MODEL_WORKLOADS",
+    "MODEL_WORKLOADS_BY_NAME",
+    "WORKLOADS",
+    "WORKLOADS_BY_NAME",
+    "ModelWorkload",
+    "ModuleSpec",
+    "Shape",
+    "Workload",
+    "bytes_moved",
+    "goal_ms_for_run",
+    "select_workloads",
+    "shape_text",
+    "workload_groups",
+]
 
 # Copy bandwidth of the lent H200 on the day the goals were set (DESIGN.md, Performance goals).
 # On another GPU the goal is the same fraction of that GPU's measured copy bandwidth.
 H200_COPY_TBPS = 4.24
 
 ITEMSIZE: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-@dataclass(frozen=True)
-class ModuleSpec:
-    """How to build one implementation's module: `<namespace>.<class_name>(*args, **kwargs)`.
-
-    namespace is "torch.nn", "cupynorm.torch", or "bench" for the reference models of seed 002
-    defined in `cupynorm.bench.models`. Nothing is imported until `build` is called.
-    """
-
-    namespace: str
-    class_name: str
-    args: tuple[Any, ...] = ()
-    kwargs: tuple[tuple[str, Any], ...] = ()
-
-    def build(self) -> torch.nn.Module:
-        """Construct the module (on the CPU, float32, like `torch.nn` modules)."""
-        if self.namespace == "bench":
-            from . import models
-
-            classes = {
-                **models.seed002_module_classes(),
-                **models.row_norm_module_classes(),
-                **models.epilogue_module_classes(),
-                **models.channel_norm_module_classes(),
-            }
-            cls = classes[self.class_name]
-        else:
-            cls = getattr(importlib.import_module(self.namespace), self.class_name)
-        return cls(*self.args, **dict(self.kwargs))
-
-    def describe(self) -> str:
-        """`GroupNorm(8, 64)`-style text."""
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs]
-        return f"{self.class_name}({', '.join(parts)})"
 
 
 def _same_module(class_name: str, *args: Any, **kwargs: Any) -> dict[str, ModuleSpec]:
@@ -65,38 +43,6 @@ def _same_module(class_name: str, *args: Any, **kwargs: Any) -> dict[str, Module
         "eager": ModuleSpec("torch.nn", class_name, args, kw),
         "cupynorm": ModuleSpec("cupynorm.torch", class_name, args, kw),
     }
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One benchmark row group: the same module call in torch eager, torch.compile, cupynorm."""
-
-    name: str
-    title: str
-    eager: ModuleSpec
-    cupynorm: ModuleSpec
-    input_shapes: tuple[Shape, ...]  # one per module input; the first is "the big tensor"
-    quick_input_shapes: tuple[Shape, ...] | None = None  # None: same as input_shapes
-    dtype: str = "float32"
-    channels_last: bool = False
-    backward: bool = False  # time forward + backward (gradients of input and parameters)
-    # Passes over a tensor of the first input's size that define TB/s; None: not bandwidth-bound.
-    tensor_passes: int | None = 2
-    traffic: str = "read x, write y"
-    goal_ms: float | None = None  # on an H200 at the full shapes; None: a relative goal
-    goal_text: str = ""  # the relative goal, e.g. "<= eager"
-    measure: str = "throughput"  # or "overhead": per-call time of back-to-back calls
-
-    def shapes(self, quick: bool) -> tuple[Shape, ...]:
-        """Input shapes for a full or a `--quick` run."""
-        if quick and self.quick_input_shapes is not None:
-            return self.quick_input_shapes
-        return self.input_shapes
-
-
-def shape_text(shape: Shape) -> str:
-    """`16x320x64x64`-style text."""
-    return "x".join(str(d) for d in shape)
 
 
 _IN_NCHW = (112, 64, 512, 512)
@@ -206,6 +152,10 @@ WORKLOADS: tuple[Workload, ...] = (
         tensor_passes=5,
         traffic=_FWDBWD_TRAFFIC,
         goal_ms=0.07,
+        note=(
+            "host time: a step is two Python calls with autograd's engine between them; the "
+            "kernels take ~89 us on an H200 (benchmarks/NOTES.md)"
+        ),
     ),
     Workload(
         name="layernorm_bf16",
@@ -392,49 +342,21 @@ WORKLOADS_BY_NAME: dict[str, Workload] = {w.name: w for w in WORKLOADS}
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ModelWorkload:
-    """A whole training step of a model, with torch's norm layers and with cupynorm's.
-
-    The step: zero the gradients, forward (under autocast when `autocast` is set), loss, backward,
-    an SGD step with momentum; in the modes eager, graphed (CUDA graph) and compile.
-    """
-
-    name: str
-    title: str
-    model: str  # key of `cupynorm.bench.models.MODEL_FACTORIES`
-    input_shape: Shape  # the batch fed to each step
-    dtype: str = "float32"  # of the parameters and the input
-    autocast: str | None = None  # autocast dtype ("bfloat16", "float16"), None: no autocast
-    channels_last: bool = False
-    loss: str = "cross_entropy"  # on random labels; or "mse" against a random target
-    num_classes: int = 1000  # cross_entropy only
-    lr: float = 0.01
-    # Batch of the fp32 / float64 accuracy check (None: the row's batch). float64 activations of
-    # resnet50 at batch 256 would not fit beside the rest on an 80 GB GPU.
-    accuracy_batch: int | None = None
-    goal_text: str = ""  # e.g. ">= 1.15x torch eager"
-    # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), "llama_rms_norm"
-    # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
-    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md) or "layer_norms"
-    # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in).
-    convert: str = "fuse"
-    layers: int = 0  # decoder layers of a transformer model (the llama factory)
-
-    def describe_input(self) -> str:
-        """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""
-        text = f"{shape_text(self.input_shape)} {self.dtype}"
-        if self.autocast:
-            text += f", {self.autocast} autocast"
-        if self.channels_last:
-            text += ", channels_last"
-        return text
-
+# Why the host-bound rows (small batches, many norm layers) miss in eager and compile mode
+# (benchmarks/NOTES.md, 2026-11-26): the measured floor of a norm layer in Python.
+_HOST_BOUND_NOTE = (
+    "host-bound at this batch: a cupynorm layer's host path is Python up to the launch (a bare "
+    "autograd.Function costs about what torch's whole C++ layer does); CUDA graphs remove it"
+)
 
 _RESNET50_TITLE = "torchvision resnet50() training step (53 BatchNorm2d), bf16 autocast, SGD"
 _EFFICIENTNET_TITLE = (
     "timm efficientnet_b0 training step (49 BatchNormAct2d: BatchNorm then SiLU), bf16 autocast, "
     "SGD"
+)
+_MOBILENETV3_TITLE = (
+    "timm mobilenetv3_large_100 training step (46 BatchNormAct2d: BatchNorm then ReLU, Hardswish "
+    "or nothing), bf16 autocast, SGD"
 )
 _CONVNEXT_TITLE = (
     "timm convnext_tiny training step (23 LayerNorm: 18 over the channels of NHWC rows, 5 "
@@ -473,7 +395,8 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         input_shape=(64, 3, 224, 224),
         autocast="bfloat16",
         channels_last=True,
-        goal_text=">= 1.15x torch (eager and graphed)",
+        goal_speedup=1.15,
+        goal_modes=("eager", "graphed"),
     ),
     ModelWorkload(
         name="resnet50_b256_bf16_cl",
@@ -483,7 +406,8 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         autocast="bfloat16",
         channels_last=True,
         accuracy_batch=64,
-        goal_text=">= 1.15x torch (eager and graphed)",
+        goal_speedup=1.15,
+        goal_modes=("eager", "graphed"),
     ),
     ModelWorkload(
         name="efficientnet_b0_b64_bf16_cl",
@@ -492,6 +416,16 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         input_shape=(64, 3, 224, 224),
         autocast="bfloat16",
         channels_last=True,
+        note=_HOST_BOUND_NOTE,
+    ),
+    ModelWorkload(
+        name="mobilenetv3_b64_bf16_cl",
+        title=_MOBILENETV3_TITLE,
+        model="mobilenetv3",
+        input_shape=(64, 3, 224, 224),
+        autocast="bfloat16",
+        channels_last=True,
+        note=_HOST_BOUND_NOTE,
     ),
     ModelWorkload(
         name="convnext_tiny_b64_bf16_cl",
@@ -502,6 +436,7 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         channels_last=True,
         accuracy_batch=16,
         convert="layer_norms",
+        note=_HOST_BOUND_NOTE,
     ),
     ModelWorkload(
         name="vit_base_b64_bf16",
@@ -511,6 +446,7 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         autocast="bfloat16",
         accuracy_batch=16,
         convert="layer_norms",
+        note=_HOST_BOUND_NOTE,
     ),
     ModelWorkload(
         name="gn_blocks_fp16_cl",

@@ -1,0 +1,373 @@
+"""The results page (benchmarks/RESULTS.md) rendered from the JSON files the bench writes.
+
+A GPU run is split into several calls (`bench --json a.json --only kernels`, `bench --json
+b.json --only models`, ...), so the page merges any number of files: rows are keyed by workload
+name, a later file's row replacing an earlier one's; the header names every GPU, date and version
+the files carry. Files written by scripts/bench_sync_batchnorm.py (the two-GPU SyncBatchNorm
+step) add a table of their own. Plain data in, text out: nothing here needs torch or a GPU.
+
+    python -m cupynorm bench --json run.json --markdown benchmarks/RESULTS.md
+    python -m cupynorm report --markdown benchmarks/RESULTS.md kernels.json models.json sync.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .report import format_ms
+
+# What the header reports, in order: (label, keys of the bench JSON's environment).
+_ENVIRONMENT = (
+    ("GPU", ("gpu",)),
+    ("date", ("date",)),
+    ("torch", ("torch", "torch_cuda")),
+    ("CuPy", ("cupy",)),
+    ("cupynorm", ("cupynorm",)),
+    ("Python", ("python",)),
+    ("torchvision", ("torchvision",)),
+)
+_MODE_ORDER = ("eager", "graphed", "compile", "reduce-overhead")
+
+
+@dataclass
+class Results:
+    """What one or more JSON files hold, merged: each row with the file it came from."""
+
+    sources: list[str] = field(default_factory=list)
+    runs: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (source, bench JSON)
+    kernels: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    models: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+    two_gpus: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
+
+
+def _is_sync_rows(data: Any) -> bool:
+    return isinstance(data, list) and all(isinstance(r, dict) and "variant" in r for r in data)
+
+
+def merge(documents: Sequence[tuple[str, Any]]) -> Results:
+    """Merge (source name, loaded JSON) pairs; raises ValueError for a document that is neither
+    a bench report nor SyncBatchNorm rows."""
+    results = Results()
+    for source, data in documents:
+        results.sources.append(source)
+        if isinstance(data, dict) and "sync_batchnorm" in data:
+            results.runs.append((source, {k: v for k, v in data.items() if k != "sync_batchnorm"}))
+            data = data["sync_batchnorm"]
+        if _is_sync_rows(data):
+            results.two_gpus.extend((source, row) for row in data)
+            continue
+        if not isinstance(data, dict) or not ("workloads" in data or "models" in data):
+            raise ValueError(
+                f"{source}: not a report of `python -m cupynorm bench --json` nor rows of "
+                "scripts/bench_sync_batchnorm.py --json"
+            )
+        results.runs.append((source, data))
+        for key, rows in (("workloads", results.kernels), ("models", results.models)):
+            for row in data.get(key) or []:
+                if row["name"] in rows:
+                    results.replaced.append(f"{row['name']} ({rows[row['name']][0]} -> {source})")
+                rows[row["name"]] = (source, row)
+    return results
+
+
+def load(paths: Sequence[str | Path]) -> Results:
+    """Read and merge JSON files (ValueError naming the file that cannot be read)."""
+    documents = []
+    for path in paths:
+        try:
+            documents.append((Path(path).name, json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+    return merge(documents)
+
+
+# ------------------------------------------------------------------------------------------------
+# Cells
+# ------------------------------------------------------------------------------------------------
+
+
+def _ms(value: Any) -> str:
+    return format_ms(value) if isinstance(value, (int, float)) else "-"
+
+
+def _ratio(value: Any) -> str:
+    return f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """Markdown lines: `left` columns left-aligned, the rest right-aligned."""
+    align = ["---"] * left + ["---:"] * (len(columns) - left)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+class _Footnotes:
+    """Numbered notes under a table: `ref(text)` gives the marker to put in a cell."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def ref(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"[{self.texts.index(text) + 1}]"
+
+    def lines(self) -> list[str]:
+        if not self.texts:
+            return []
+        return [""] + [f"[{i}] {_cell(t)}  " for i, t in enumerate(self.texts, 1)]
+
+
+def _impl(row: dict[str, Any], name: str) -> dict[str, Any]:
+    return next((i for i in row.get("impls") or [] if i.get("impl") == name), {})
+
+
+# ------------------------------------------------------------------------------------------------
+# Sections
+# ------------------------------------------------------------------------------------------------
+
+
+def _header(results: Results) -> list[str]:
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m cupynorm report` from "
+        + ", ".join(f"`{s}`" for s in results.sources)
+        + "; do not edit by hand: run the bench (`python -m cupynorm bench --json FILE`, "
+        "`--only models` for the models) and render again (`python -m cupynorm report "
+        "--markdown benchmarks/RESULTS.md FILE ...`). The history of each number is in NOTES.md.",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
+    for label, keys in _ENVIRONMENT:
+        values: dict[str, list[str]] = {}
+        for source, run in results.runs:
+            if run.get(keys[0]) is None:
+                continue
+            text = str(run[keys[0]])
+            if label == "date":
+                text = text.replace("T", " ").replace("+00:00", " UTC")
+            if len(keys) > 1 and run.get(keys[1]):
+                text += f" (CUDA {run[keys[1]]})"
+            if label == "GPU" and isinstance(run.get("copy_bandwidth_tbps"), (int, float)):
+                text += f", copy {run['copy_bandwidth_tbps']:.2f} TB/s"
+            values.setdefault(text, []).append(source)
+        if not values:
+            continue
+        if len(values) == 1:
+            lines.append(f"| {label} | {_cell(next(iter(values)))} |")
+        else:
+            cell = "; ".join(f"{v} ({', '.join(s)})" for v, s in values.items())
+            lines.append(f"| {label} | {_cell(cell)} |")
+    if any(run.get("quick") for _source, run in results.runs):
+        quick = [s for s, run in results.runs if run.get("quick")]
+        lines.append(f"| shapes | `--quick` (smaller batches) in {', '.join(quick)} |")
+    if results.replaced:
+        lines += ["", "Rows measured twice, the later file's kept: " + "; ".join(results.replaced)]
+    return lines
+
+
+def _kernel_section(results: Results) -> list[str]:
+    notes = _Footnotes()
+    rows = []
+    for name, (_source, row) in results.kernels.items():
+        eager, compiled, ours = (
+            _impl(row, n) for n in ("torch eager", "torch.compile", "cupynorm")
+        )
+        shape = "x".join(str(d) for d in (row.get("input_shapes") or [[]])[0])
+        if row.get("channels_last"):
+            shape += " cl"
+        goal = row.get("goal_ms_this_run")
+        goal_text = f"{goal:.3g}" if isinstance(goal, (int, float)) else row.get("goal_text") or "-"
+        met = row.get("goal_met")
+        status = {True: "met", False: "**missed**"}.get(met, "")
+        if met is False and row.get("note"):
+            status += " " + notes.ref(f"{name}: {row['note']}")
+        error = row.get("error") or ours.get("error")
+        cupynorm_ms = _ms(ours.get("ms"))
+        if error:
+            cupynorm_ms = "error " + notes.ref(f"{name}: {error}")
+        pct = ours.get("pct_of_copy_bandwidth")  # = floor time / cupynorm's time
+        rows.append(
+            [
+                name,
+                shape or "-",
+                row.get("dtype", "-"),
+                _ms(eager.get("ms")),
+                _ms(compiled.get("ms")) if compiled else "-",
+                cupynorm_ms,
+                _ratio(ours.get("speedup_vs_eager")),
+                _ratio(ours.get("speedup_vs_compile")),
+                _number(ours.get("tbps"), ".2f"),
+                _number(pct, ".0f") + ("%" if isinstance(pct, (int, float)) else ""),
+                goal_text,
+                status,
+            ]
+        )
+    columns = ("workload", "shape", "dtype", "torch eager ms", "torch.compile ms",
+               "cupynorm ms", "vs eager", "vs compile", "cupynorm TB/s", "% of floor", "goal ms",
+               "goal")  # fmt: skip
+    return [
+        "## Kernels",
+        "",
+        "One module call (forward, or forward + backward for `fwdbwd` rows) on torch tensors: "
+        "median of CUDA-event times around the call only, L2 flushed before each repetition, "
+        "warm-up first; torch.compile in its default mode, compiled before timing; cupynorm's "
+        "outputs and gradients checked against torch eager's before any timing. "
+        "**Floor**: the bytes the row must move (one read and one write of the input for a "
+        "forward, five passes for forward + backward; `python -m cupynorm bench --list`) at the "
+        "GPU's measured device-to-device copy bandwidth; % of floor = floor time / cupynorm's "
+        "time (100% = at the copy bandwidth). **Goal**: the H200 time set in DESIGN.md at the "
+        "full shapes, scaled by copy bandwidth on another GPU and by bytes for `--quick` "
+        "shapes; `<= eager`: no slower than torch eager's call. `cl`: channels_last.",
+        "",
+        *_table(columns, rows, left=3),
+        *notes.lines(),
+    ]
+
+
+def _model_section(results: Results) -> list[str]:
+    notes = _Footnotes()
+    rows = []
+    for name, (_source, model) in results.models.items():
+        steps = {(s.get("mode"), s.get("impl")): s for s in model.get("steps") or []}
+        seen = {mode for mode, _impl in steps}
+        modes = [m for m in _MODE_ORDER if m in seen] + sorted(seen - set(_MODE_ORDER))
+        goal, goal_modes = _model_goal(model)
+        if model.get("skipped"):
+            rows.append([name, "-", "skipped", "skipped", "-", "-", "-", model["skipped"]])
+            continue
+        if model.get("error") and not steps:
+            error = "error " + notes.ref(f"{name}: {model['error']}")
+            rows.append([name, "-", error, error, "-", "-", "-", ""])
+            continue
+        noted = False
+        for mode in modes:
+            theirs, ours = steps.get((mode, "torch"), {}), steps.get((mode, "cupynorm"), {})
+            ratio = ours.get("speedup_vs_torch")
+            torch_ms, cupynorm_ms = _ms(theirs.get("ms")), _ms(ours.get("ms"))
+            if theirs.get("error"):
+                torch_ms = "error " + notes.ref(f"{name}, {mode}, torch: {theirs['error']}")
+            if ours.get("error"):
+                cupynorm_ms = "error " + notes.ref(f"{name}, {mode}, cupynorm: {ours['error']}")
+            if ours.get("note"):
+                cupynorm_ms += " " + notes.ref(f"{name}, {mode}: {ours['note']}")
+            goal_cell = ""
+            if goal is not None and mode in goal_modes and isinstance(ratio, (int, float)):
+                met = ratio >= goal
+                goal_cell = f">= {goal:g}x " + ("met" if met else "**missed**")
+            # a miss: below the goal where the row has one for this mode, else slower than torch
+            bar = goal if goal is not None and mode in goal_modes else 1.0
+            missed = isinstance(ratio, (int, float)) and ratio < bar
+            if missed and model.get("note") and not noted:
+                goal_cell = goal_cell or "slower than torch"
+                goal_cell += " " + notes.ref(f"{name}: {model['note']}")
+                noted = True
+            host = [_host(theirs), _host(ours)] if mode == "eager" else ["-", "-"]
+            rows.append([name, mode, torch_ms, cupynorm_ms, _ratio(ratio), *host, goal_cell])
+        accuracy = model.get("accuracy") or {}
+        if accuracy and not accuracy.get("ok", True):
+            failure = model.get("failure") or "accuracy check failed"
+            rows[-1][-1] += " " + notes.ref(f"{name}: {failure}")
+    columns = ("model", "mode", "torch ms", "cupynorm ms", "vs torch",
+               "host µs/norm layer torch", "host µs/norm layer cupynorm", "goal / why")  # fmt: skip
+    titles = [f"- `{n}`: {m.get('title', '')}" for n, (_s, m) in results.models.items()]
+    return [
+        "## Models",
+        "",
+        "Whole training steps (zero_grad, forward, loss, backward, SGD step) with torch's norm "
+        "layers and with cupynorm's (`cupynorm.torch.fuse`, or `replace_norms` where the row "
+        "says), same initial weights and batch; ms per step: median, CUDA events around whole "
+        "steps, after warm-up. Modes: **eager**; **graphed**: the whole step captured in one "
+        "CUDA graph and replayed; **compile**: `torch.compile(model)`; **reduce-overhead**: "
+        '`torch.compile(model, mode="reduce-overhead")` (Inductor\'s CUDA graphs). vs torch: '
+        "torch's ms / cupynorm's in the same mode. Host µs/norm layer (eager): the time to issue "
+        "a step less that of the same model with its norm layers removed, per norm layer "
+        "(forward + backward). Before timing, each row's output and input gradient in fp32 are "
+        "checked against torch in float64 (cupynorm within 2x torch's error).",
+        "",
+        *_table(columns, rows, left=2),
+        *notes.lines(),
+        "",
+        *titles,
+    ]
+
+
+def _model_goal(model: dict[str, Any]) -> tuple[float | None, list[str]]:
+    """(speedup, modes) of a model row's goal; from its text in files written before the JSON
+    carried them apart (">= 1.15x torch (eager and graphed)")."""
+    if model.get("goal_speedup") is not None:
+        return model["goal_speedup"], list(model.get("goal_modes") or [])
+    found = re.match(r">=\s*([0-9.]+)x torch(?: \((.*)\))?", model.get("goal_text") or "")
+    if found is None:
+        return None, []
+    modes = [m.strip() for m in (found.group(2) or "").split(" and ") if m.strip()]
+    return float(found.group(1)), modes
+
+
+def _host(step: dict[str, Any]) -> str:
+    return _number(step.get("host_us_per_norm_layer"), ".0f")
+
+
+def _number(value: Any, spec: str) -> str:
+    return format(value, spec) if isinstance(value, (int, float)) else "-"
+
+
+def _two_gpu_section(results: Results) -> list[str]:
+    by_variant = {row.get("variant"): row for _source, row in results.two_gpus}
+    torch_ms = (by_variant.get("torch") or {}).get("ms_per_step")
+    rows = []
+    for _source, row in results.two_gpus:
+        ms = row.get("ms_per_step")
+        name = {"unsynced": "torch BatchNorm2d, unsynced"}.get(
+            row.get("variant"), f"{row.get('variant')} SyncBatchNorm"
+        )
+        ratio = torch_ms / ms if isinstance(torch_ms, (int, float)) and ms else None
+        rows.append(
+            [
+                name,
+                str(row.get("world", "-")),
+                str(row.get("batch_per_rank", "-")),
+                _ms(ms),
+                _number(row.get("images_per_s"), ".0f"),
+                _ms(row.get("collective_ms_per_step")),
+                _ratio(ratio) if row.get("variant") != "unsynced" else "-",
+            ]
+        )
+    columns = ("variant", "GPUs", "batch/GPU", "ms/step", "images/s", "collectives ms/step",
+               "vs torch")  # fmt: skip
+    return [
+        "## Two GPUs: SyncBatchNorm",
+        "",
+        "DDP training step of torchvision's resnet50 (bf16 autocast, channels_last, NCCL) with "
+        "torch.nn.SyncBatchNorm and with cupynorm.torch.SyncBatchNorm "
+        "(`torchrun --nproc-per-node 2 scripts/bench_sync_batchnorm.py --json FILE`); ms per "
+        "step: median over alternating rounds, the slowest rank's; collectives: the time inside "
+        "SyncBatchNorm's own collectives per step.",
+        "",
+        *_table(columns, rows),
+    ]
+
+
+def render(results: Results) -> str:
+    """The whole page."""
+    lines = _header(results)
+    if results.kernels:
+        lines += ["", *_kernel_section(results)]
+    if results.models:
+        lines += ["", *_model_section(results)]
+    if results.two_gpus:
+        lines += ["", *_two_gpu_section(results)]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,116 @@
+"""`python -m cupynorm profile SUBCOMMAND`: where the time of cupynorm's norm layers goes, beside
+torch's (development tool; the bench measures, this explains).
+
+  stack    host µs per layer in a stack of N (default 50) layers of one family, torch's module
+           beside cupynorm's and a Python floor: forward and backward apart, with the GPU time,
+           launches and allocations per layer (--family all: one table of every family)
+  model    where a model row's training step spends its host time: the issue time per step and
+           per norm layer, its phases, the norm layers' forward and backward nodes, the CUDA API
+           calls, synchronizing operations; --compile: the compiled step's graph breaks and
+           heaviest kernels
+  calls    host µs per call of the public functional (cupynorm.*) on CuPy arrays, torch tensors
+           and JAX arrays, beside cupynorm.torch's module and torch's own call
+  cpu      the stacks (or a resnet50-shaped model) on the CPU with faked launches: cupynorm's
+           host path measured without a GPU
+  kernels  a torch.profiler kernel table of one bench workload: each kernel's µs and launches
+           per call, torch eager, torch.compile and cupynorm
+
+Every subcommand but `cpu` needs a CUDA GPU. Numbers come with no pass or fail: the findings
+go to benchmarks/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUBCOMMANDS = ("stack", "model", "calls", "cpu", "kernels")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommands of `python -m cupynorm profile` and their options."""
+    from . import stack
+
+    commands = parser.add_subparsers(dest="profile_command", metavar="SUBCOMMAND")
+    commands.required = True
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text)
+
+    stack.add_arguments(
+        command("stack", "host µs per norm layer in a stack, torch beside cupynorm (GPU)")
+    )
+    cpu = command("cpu", "the stacks (or --model) on the CPU with faked launches (no GPU)")
+    stack.add_arguments(cpu, steps=2000)
+    cpu.add_argument(
+        "--launches",
+        choices=("driver", "none"),
+        default="driver",
+        help="driver: the real launchers on a driver that does nothing (default); none: no "
+        "launchers (the replay alone)",
+    )
+    cpu.add_argument("--model", action="store_true", help="a resnet50-shaped model's step")
+
+    model = command("model", "where a model row's training step spends its host time (GPU)")
+    model.add_argument(
+        "--row",
+        default="resnet50_b64_bf16_cl",
+        help="a model row of `python -m cupynorm bench --list` (default resnet50_b64_bf16_cl)",
+    )
+    model.add_argument("--batch", type=_positive_int, help="batch size (default: the row's)")
+    model.add_argument("--steps", type=_positive_int, default=20, help="timed steps (default 20)")
+    model.add_argument("--compile", action="store_true", help="also the torch.compile'd step")
+    model.add_argument("--top", type=_positive_int, default=12, help="kernels listed (default 12)")
+    model.add_argument("--cprofile", action="store_true", help="cProfile of cupynorm's step")
+
+    calls = command("calls", "host µs per public functional call, CuPy / torch / JAX (GPU)")
+    calls.add_argument(
+        "--calls", type=_positive_int, default=2000, help="calls per case (default 2000)"
+    )
+
+    kernels = command("kernels", "kernel table of one bench workload, torch.profiler (GPU)")
+    kernels.add_argument(
+        "workload", help="a kernel row of `python -m cupynorm bench --list`, e.g. layernorm_bf16"
+    )
+    kernels.add_argument("--quick", action="store_true", help="the row's --quick shapes")
+    kernels.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    kernels.add_argument(
+        "--calls", type=_positive_int, default=10, help="profiled calls (default 10)"
+    )
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Run a parsed `profile` command; 0 done, 2 no GPU (or torch) or a bad name."""
+    from .common import ProfileError, cuda_problem
+
+    name = args.profile_command
+    if name != "cpu":
+        problem = cuda_problem()
+        if problem is not None:
+            print(f"cupynorm profile {name}: {problem}", file=sys.stderr)
+            return 2
+    try:
+        if name == "stack":
+            from .stack import run
+        elif name == "cpu":
+            from .cpu import run
+        elif name == "model":
+            from .model import run
+        elif name == "calls":
+            from .calls import run
+        else:
+            from .kernels import run
+        return run(args)
+    except ProfileError as exc:
+        print(f"cupynorm profile {name}: {exc}", file=sys.stderr)
+        return 2
