@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from test_programs_cpu import H200, launches  # noqa: F401 - the fixture
 from torch import nn
+from torch_cpu_helpers import patch_route
 
 import cupynorm.torch as cnt
 from cupynorm import _compile, _ops, _plan, _program
 from cupynorm.torch import _autograd, _kernels, _library, _reference
-from cupynorm.torch import functional as cnf
 
 PAIRS = [(cnt.LayerNorm, nn.LayerNorm), (cnt.RMSNorm, nn.RMSNorm)]
 # (input shape, normalized_shape): one-element rows, odd rows, several normalized dims
@@ -115,7 +115,7 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
     torch's float32 norm of the input (float64 stays float64): y in that dtype, the input's
     gradient in the input's dtype, the parameters' in theirs."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
-    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", True)
+    patch_route(monkeypatch.setattr, "_AUTOCAST_RMS_NORM", True)
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(5, 3, 16, generator=g) * 2 + 1).to(dtype).requires_grad_()
     w, b = (torch.randn(16, generator=g).to(param_dtype).requires_grad_() for _ in range(2))
@@ -176,7 +176,7 @@ def test_rms_norm_under_autocast_is_torchs_call_where_torch_passes_it_through(ke
     """With a torch whose autocast has no rms_norm kernel, rms_norm and rms_norm2d under autocast
     are torch's own calls (its dtype rules then), the kernels' route untouched."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
-    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", False)
+    patch_route(monkeypatch.setattr, "_AUTOCAST_RMS_NORM", False)
     calls = []
     rms_norm = F.rms_norm
 

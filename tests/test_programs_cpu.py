@@ -725,9 +725,11 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     """Send the modules' eager path on CPU tensors through the CUDA host code (the Functions'
     kernels, the no-grad calls' kernels); ``setattr``: monkeypatch's, or the plain one (the
     development scripts)."""
+    from torch_cpu_helpers import patch_route
+
     from cupynorm.torch import _autograd, _kernels, functional
 
-    setattr(functional, "_use_kernels", lambda x: True)
+    patch_route(setattr, "_use_kernels", lambda x: True)
     setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
     setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
     setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)

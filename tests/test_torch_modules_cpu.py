@@ -40,7 +40,7 @@ from torch_cpu_helpers import (
 )
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _kernels, _library, _reference
+from cupynorm.torch import _autograd, _kernels, _library, _reference, _tensors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -648,7 +648,7 @@ def _same_meta(real, fake, what):
 
 
 def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
-    monkeypatch.setattr(_kernels, "_host_module", _LooseHost)
+    monkeypatch.setattr(_tensors, "_host_module", _LooseHost)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, 6, 5, 7, generator=g).to(memory_format=torch.channels_last)
     odd = torch.randn(3, 6, 7, 5, generator=g).transpose(2, 3)

@@ -29,13 +29,13 @@ from ._kernels import (
     _group_norm_act_fwd,
     _group_norm_bwd,
     _group_norm_fwd,
-    _host,
     _instance_norm_fwd,
     _row_norm_add_mul_bwd,
     _row_norm_add_mul_fwd,
     _row_norm_bwd,
     _row_norm_fwd,
 )
+from ._tensors import _host
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from ._reference import (
     _group_norm_fwd_reference,
     _instance_norm_fwd_reference,
     _instance_norm_update,
-    _layout,
     _param_dtype,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
@@ -41,54 +40,16 @@ from ._reference import (
     _row_norm_fwd_reference,
     _stat_dtype,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# dtypes and layouts
-# ---------------------------------------------------------------------------------------------
-def _dense(x: Tensor) -> tuple[Tensor, torch.memory_format]:
-    """``x`` in a layout the kernels take (contiguous copy for other strides) and its format."""
-    fmt = _layout(x)
-    if fmt is None:
-        return x.contiguous(), torch.contiguous_format
-    return x, fmt
-
-
-def _vec(t: Tensor | None) -> Tensor | None:
-    """A per-channel vector the kernels can index directly (they take raw pointers)."""
-    return t if t is None or t.is_contiguous() else t.contiguous()
-
-
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)``; a tensor already of that dtype as it is, without the call (``.to`` with
-    nothing to do costs ~1 us of argument parsing; the kernels usually wrote the right dtype)."""
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _write_back(running: Tensor | None, updated: Tensor | None) -> None:
-    """Copy a running statistic updated on a contiguous copy back into the original."""
-    if updated is not running:
-        running.copy_(updated)
-
-
-def _empty_out(x: Tensor, out_float32: bool = False) -> Tensor:
-    """Output/dx allocation matching what the kernels return for input ``x`` (fake kernels);
-    ``out_float32``: a float32 y (autocast's norm of a half-precision x)."""
-    dtype = torch.float32 if out_float32 else x.dtype
-    return torch.empty_like(x, dtype=dtype, memory_format=_layout(x) or torch.contiguous_format)
-
-
-_host_module = None
-
-
-def _host():
-    """The host code :mod:`cupynorm._ops`, imported on first use (it needs CuPy)."""
-    global _host_module
-    if _host_module is None:
-        from cupynorm import _ops as host
-
-        _host_module = host
-    return _host_module
+from ._tensors import (
+    _cast,
+    _dense,
+    _empty_out,
+    _finish_bwd,
+    _host,
+    _norm_bwd_fake,
+    _vec,
+    _write_back,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,15 +109,6 @@ def _group_norm_bwd_cuda(
     return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
 
 
-def _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask):
-    """Give the host code's gradients exactly the layout and dtypes the fake kernels promise."""
-    pdtype = _param_dtype(x, weight)
-    dx = dx.contiguous(memory_format=fmt) if output_mask[0] else None
-    dweight = _cast(dweight, pdtype) if output_mask[1] else None
-    dbias = _cast(dbias, pdtype) if output_mask[2] else None
-    return dx, dweight, dbias
-
-
 def _group_norm_fwd(x, num_groups, weight, bias, eps, out_float32=False):
     if x.is_cuda:
         return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, out_float32)
@@ -184,16 +136,6 @@ def _group_norm_fwd_reference_op(x, num_groups, weight, bias, eps, out_float32=F
 def _group_norm_fwd_fake(x, num_groups, weight, bias, eps, out_float32=False):
     stats = x.new_empty((x.shape[0], num_groups), dtype=_stat_dtype(x.dtype))
     return _empty_out(x, out_float32), stats, torch.empty_like(stats)
-
-
-def _norm_bwd_fake(dy, x, mean, rstd, weight, _arg, output_mask):
-    c = x.shape[1]
-    pdtype = _param_dtype(x, weight)
-    return (
-        _empty_out(x) if output_mask[0] else None,
-        x.new_empty((c,), dtype=pdtype) if output_mask[1] else None,
-        x.new_empty((c,), dtype=pdtype) if output_mask[2] else None,
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -115,6 +115,24 @@ from ._reference import (
 # ---------------------------------------------------------------------------------------------
 _lib = torch.library.Library("cupynorm", "FRAGMENT")
 
+
+def define(schema: str, cuda_kernel, cpu_kernel, fake_kernel) -> torch._ops.OpOverload:
+    """Define the op ``torch.ops.cupynorm.<name>`` of ``schema`` with its CUDA and CPU kernels
+    (``Library.impl`` on the device keys: no ``custom_op`` wrapper on the call) and its fake
+    kernel; returns the op's default overload."""
+    name = schema[: schema.index("(")]
+    _lib.define(schema)
+    _lib.impl(name, cuda_kernel, "CUDA")
+    _lib.impl(name, cpu_kernel, "CPU")
+    torch.library.register_fake(f"cupynorm::{name}", fake_kernel, lib=_lib)
+    return getattr(torch.ops.cupynorm, name).default
+
+
+def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> None:
+    """A forward op's autograd: ``backward`` (which calls the backward op) and ``setup_context``."""
+    torch.library.register_autograd(op.name(), backward, setup_context=setup_context, lib=_lib)
+
+
 _SCHEMAS = {
     "group_norm_fwd": (
         "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
@@ -244,11 +262,7 @@ _KERNELS = {
 }
 
 for _name, _schema in _SCHEMAS.items():
-    _cuda_kernel, _cpu_kernel, _fake_kernel = _KERNELS[_name]
-    _lib.define(_schema)
-    _lib.impl(_name, _cuda_kernel, "CUDA")
-    _lib.impl(_name, _cpu_kernel, "CPU")
-    torch.library.register_fake(f"cupynorm::{_name}", _fake_kernel, lib=_lib)
+    define(_schema, *_KERNELS[_name])
 
 _torch_ops = torch.ops.cupynorm
 group_norm_fwd_op = _torch_ops.group_norm_fwd.default
@@ -290,4 +304,4 @@ for _name, _backward, _setup in (
     ("row_norm_fwd", _make_row_norm_backward(row_norm_bwd_op), _row_norm_setup),
     ("channel_norm_fwd", _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup),
 ):
-    torch.library.register_autograd(f"cupynorm::{_name}", _backward, setup_context=_setup, lib=_lib)
+    register_autograd(getattr(_torch_ops, _name).default, _backward, _setup)

@@ -72,7 +72,7 @@ class _Replayed:
         self.save, self.info = save, info
 
 
-def _run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Token]:
+def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Token]:
     """The host op call ``name(*args, **kwargs)`` replayed: (its outputs (no ``grad``) or the
     replay Function's, None); or (None, the token to hand :func:`validated`) when its program
     was not validated for ``origin``; or (None, None) when something besides the call decides
@@ -115,7 +115,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
     # fmt: off
     args = _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training,
                                    momentum, eps, residual, act, batches_tracked, keep)
-    y, token = _run("batch_norm_fwd", args, {}, None, grad, _batch_norm_replay_save,
+    y, token = run("batch_norm_fwd", args, {}, None, grad, _batch_norm_replay_save,
                     (training, act), (x, weight, bias, residual))
     # fmt: on
     return (y[0] if y is not None and not grad else y), token
@@ -135,7 +135,7 @@ def group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
                                            out_float32)
     # fmt: on
     # fmt: off
-    y, token = _run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
+    y, token = run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
                     (num_groups, act), (x, weight, bias, shift))
     # fmt: on
     return (y[0] if y is not None and not grad else y), token
@@ -154,7 +154,7 @@ def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
     # fmt: off
     args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
                                          grad, out_float32)
-    out, token = _run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
+    out, token = run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
                       (row_len, cast, dims), (x, residual, weight, bias))
     # fmt: on
     if out is None or grad:
@@ -171,7 +171,7 @@ def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None
         weight, bias = (t if t is None else _unwrap(t) for t in (weight, bias))
     args, kwargs = _channel_norm_fwd_op_args(x, weight, bias, eps, rms, grad)
     # fmt: off
-    y, token = _run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,
+    y, token = run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,
                     None, (x, weight, bias, None))
     # fmt: on
     return (y[0] if y is not None and not grad else y), token

@@ -86,6 +86,16 @@ from ._library import (
     row_norm_fwd_op,
 )
 from ._reference import ACTIVATIONS, _layout
+from ._route import (
+    _AUTOCAST_RMS_NORM,
+    _HALF,
+    _default_rms_eps,
+    _kernel_tensors,
+    _replay_candidate,
+    _traced,
+    _use_kernels,
+    _wants_grad,
+)
 
 __all__ = [
     "add_layer_norm",
@@ -102,25 +112,6 @@ __all__ = [
     "rms_norm2d",
     "row_norm_add_mul",
 ]
-
-
-_is_compiling = torch.compiler.is_compiling
-_dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-
-
-def _traced(x: Tensor) -> bool:
-    """True when the call must go through the dispatcher (the custom op) rather than eager:
-    compiling/exporting, a tensor subclass (FakeTensor, ...) or a TorchDispatchMode."""
-    return _is_compiling() or type(x) is not Tensor or _dispatch_stack_len() != 0
-
-
-def _wants_grad(x: Tensor, a: Tensor | None, b: Tensor | None, c: Tensor | None = None) -> bool:
-    return torch.is_grad_enabled() and (
-        x.requires_grad
-        or (a is not None and a.requires_grad)
-        or (b is not None and b.requires_grad)
-        or (c is not None and c.requires_grad)
-    )
 
 
 def _apply_group_norm(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
@@ -229,12 +220,6 @@ def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
     return _row_norm_add_mul_fwd(x, y, eps)[0]
 
 
-def _default_rms_eps(x: Tensor) -> float:
-    """``eps=None`` of rms_norm, as torch: the machine epsilon of the type it computes in
-    (float32 for half-precision input, not the input's own type; float64 for float64)."""
-    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
-
-
 def _apply_row_norm(
     x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False
 ) -> tuple[Tensor, Tensor | None]:
@@ -254,51 +239,6 @@ def _apply_channel_norm(x, weight, bias, eps, rms, out_float32=False) -> Tensor:
     if _wants_grad(x, weight, bias):
         return _ChannelNormFunction.run(x, weight, bias, eps, rms, out_float32)[0]
     return _channel_norm_output(x, weight, bias, eps, rms, out_float32)
-
-
-def _kernel_tensors(
-    tensors: tuple, origin: Any, to_float32: bool, keep: int = 0
-) -> tuple[tuple, Any]:
-    """(the tensors the kernels take, the replay's origin): under autocast (``to_float32``)
-    float32 copies but of the first ``keep`` tensors, which a kernel reads as they are (the
-    input, and a group norm's shift in the input's dtype), and the dtypes they were made from
-    joined to ``origin`` (the checks' verdict is on the tensors before the copies, whose key a
-    call the checks reject may share: an integer input's copy, a bf16 input's)."""
-    if not to_float32:
-        return tensors, origin
-    origin = (origin, *(None if t is None else t.dtype for t in tensors))
-    return (*tensors[:keep], *_float32(*tensors[keep:])), origin
-
-
-def _float32(*tensors: Tensor | None) -> tuple:
-    """The tensors in float32 (None stays None): the CUDA autocast policy of torch's norms,
-    which leaves float64 as it is. A float32 tensor is itself, as ``.float()`` would return it,
-    without the call (~0.4 us of argument parsing on the dev CPU; a model's float32
-    parameters, every call)."""
-    keep = (torch.float32, torch.float64)
-    return tuple(t if t is None or t.dtype in keep else t.float() for t in tensors)
-
-
-#: the input dtypes whose float32 LayerNorm under autocast reads the input as is (row_norm.cu)
-_HALF = (torch.float16, torch.bfloat16)
-
-#: Whether the installed torch's CUDA autocast runs rms_norm in float32, as it runs layer_norm
-#: (torch's autocast has a kernel for a norm only on its float32 list); where it does not, an
-#: rms_norm under autocast is torch's own call, whose dtype rules are then torch's.
-_AUTOCAST_RMS_NORM = torch._C._dispatch_has_kernel_for_dispatch_key(
-    "aten::rms_norm", "AutocastCUDA"
-)
-
-
-# ---------------------------------------------------------------------------------------------
-# routing (the host code validates nothing: _checks does, on the kernel route)
-# ---------------------------------------------------------------------------------------------
-def _use_kernels(x: Tensor) -> bool:
-    """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional).
-
-    CUDA tensors only; CPU tests patch this to run the whole stack on the reference kernels.
-    """
-    return x.is_cuda
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,17 +325,6 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
         y = _apply_group_norm_act(x, num_groups, w, b, eps, activation, s, out_float32)
     _replay.validated(token, _layout(x) is not None, (w, b, s))
     return y
-
-
-def _replay_candidate(tensors: tuple) -> bool:
-    """Whether a call on cupynorm's kernels may be a replay: the input a plain tensor nothing
-    traces, the other arguments tensors or None (anything else gets the checks' error)."""
-    input = tensors[0]
-    return (
-        type(input) is Tensor
-        and not _traced(input)
-        and all(t is None or isinstance(t, Tensor) for t in tensors[1:])
-    )
 
 
 def group_norm_act(
