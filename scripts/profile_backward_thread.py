@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm.torch as cnt  # noqa: E402
-from cupynorm.torch import _autograd  # noqa: E402
+from cupynorm.torch import _batch_norm  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     x = x.to(memory_format=torch.channels_last).requires_grad_()
     residual = torch.randn_like(x).requires_grad_()
     dy = torch.randn_like(x)
-    function = _autograd._BatchNormActFunction
+    function = _batch_norm._BatchNormActFunction
     original = function.__dict__["backward"]
     inside: list[float] = []
 

@@ -74,12 +74,12 @@ class _Floor(torch.autograd.Function):
 def breakdown(module, x, dy, steps: int) -> None:
     """Host us per call of each layer of the BatchNorm call, outermost first."""
     from cupynorm import _ops, _program
-    from cupynorm.torch import _autograd, _kernels, functional
+    from cupynorm.torch import _batch_norm, _batch_norm_kernels, functional
 
     w, b, rm, rv = module.weight, module.bias, module.running_mean, module.running_var
     xd = x.detach()
     fwd_args = (xd, w.detach(), b.detach(), rm, rv, True, 0.1, 1e-5)
-    y, mean, rstd = _kernels._batch_norm_fwd_cuda(*fwd_args)
+    y, mean, rstd = _batch_norm_kernels._batch_norm_fwd_cuda(*fwd_args)
     bwd_args = (dy, xd, mean, rstd, w.detach(), True, (True, True, True))
     programs = {key[0]: p for key, p in _program._PROGRAMS.items() if key[0].startswith("batch")}
     fwd_program, bwd_program = programs["batch_norm_fwd"], programs["batch_norm_bwd"]
@@ -98,13 +98,13 @@ def breakdown(module, x, dy, steps: int) -> None:
         "functional.batch_norm (grad)": lambda: functional.batch_norm(
             x, rm, rv, w, b, True, 0.1, 1e-5
         ),
-        "_BatchNormFunction.apply": lambda: _autograd._BatchNormFunction.apply(
+        "_BatchNormFunction.apply": lambda: _batch_norm._BatchNormFunction.apply(
             x, w, b, rm, rv, True, 0.1, 1e-5
         ),
-        "_kernels._batch_norm_fwd_cuda": lambda: _kernels._batch_norm_fwd_cuda(*fwd_args),
+        "_batch_norm_fwd_cuda": lambda: _batch_norm_kernels._batch_norm_fwd_cuda(*fwd_args),
         "_ops.batch_norm_fwd (key + replay)": lambda: _ops.batch_norm_fwd(*fwd_args),
         "replay of the forward program": lambda: fwd_program.run(_BACKEND, 0, fwd_tensors),
-        "_kernels._batch_norm_bwd_cuda": lambda: _kernels._batch_norm_bwd_cuda(*bwd_args),
+        "_batch_norm_bwd_cuda": lambda: _batch_norm_kernels._batch_norm_bwd_cuda(*bwd_args),
         "_ops.batch_norm_bwd (key + replay)": lambda: _ops.batch_norm_bwd(
             *bwd_args[:-1], (True, True, True)
         ),

@@ -727,12 +727,13 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     development scripts)."""
     from torch_cpu_helpers import patch_route
 
-    from cupynorm.torch import _autograd, _kernels, functional
+    from cupynorm.torch import _autograd, _batch_norm, _batch_norm_kernels, _kernels, functional
 
     patch_route(setattr, "_use_kernels", lambda x: True)
-    setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
-    setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
-    setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
+    bn_kernels = _batch_norm_kernels
+    setattr(_batch_norm, "_batch_norm_fwd_program", bn_kernels._batch_norm_fwd_cuda_program)
+    setattr(_batch_norm, "_batch_norm_bwd", bn_kernels._batch_norm_bwd_cuda)
+    setattr(_batch_norm, "_batch_norm_act_bwd", bn_kernels._batch_norm_act_bwd_cuda)
     for name in ("group_norm", "group_norm_act", "row_norm", "channel_norm"):  # full Functions
         setattr(_autograd, f"_{name}_fwd", getattr(_kernels, f"_{name}_fwd_cuda"))
         # the backwards pick the CPU's kernel by device (some inside closures made at import)

@@ -40,7 +40,15 @@ from torch_cpu_helpers import (
 )
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _kernels, _library, _reference, _tensors
+from cupynorm.torch import (
+    _autograd,
+    _batch_norm,
+    _batch_norm_kernels,
+    _kernels,
+    _library,
+    _reference,
+    _tensors,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,7 +440,7 @@ def _op_samples():
     rm3, rv3 = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
     gn = _library.group_norm_fwd_op
     inorm = _library.instance_norm_fwd_op
-    bn = _library.batch_norm_fwd_op
+    bn = _batch_norm.batch_norm_fwd_op
     return [
         ("gn", gn, (x4, 3, w, b, 1e-5)),
         ("gn_cl", gn, (xcl, 2, None, b, 1e-5)),
@@ -461,7 +469,7 @@ def _op_samples():
         ),
         (
             "bn_bwd",
-            _library.batch_norm_bwd_op,
+            _batch_norm.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs(), None, True, [True, False, False]),
         ),
         (
@@ -498,12 +506,12 @@ def test_gradcheck_reference_ops_both_paths():
         )[0],
     }
     for training in (True, False):
-        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _library.batch_norm_fwd_op(
+        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _batch_norm.batch_norm_fwd_op(
             x, w, b, *stats(), t, 0.1, 1e-5
         )[0]
-        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: _autograd._BatchNormFunction.apply(
-            x, w, b, *stats(), t, 0.1, 1e-5
-        )[0]
+        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: (
+            _batch_norm._BatchNormFunction.apply(x, w, b, *stats(), t, 0.1, 1e-5)[0]
+        )
     for name, f in funcs.items():
         assert torch.autograd.gradcheck(f, (x, w, b)), name
     assert torch.autograd.gradcheck(
@@ -545,7 +553,7 @@ def test_fake_cuda_tensors_shapes_and_layouts():
         assert mean.shape == rstd.shape == (4, 2) and mean.dtype == torch.float32
         y, mean, rstd = _library.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
         assert mean.dtype == torch.float64
-        y, mean, rstd, nm, nv = _library.batch_norm_fwd_op(
+        y, mean, rstd, nm, nv = _batch_norm.batch_norm_fwd_op(
             xcl.half(), None, None, None, None, True, 0.1, 1e-5
         )
         assert mean.shape == (6,) and mean.dtype == torch.float32 and nm is None and nv is None
@@ -668,12 +676,16 @@ def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
                 )
     rm, rv = torch.zeros(12)[::2], torch.ones(6)  # rm: strided, updated through a copy
     expected_rm = rm.clone()
-    real = _kernels._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
+    real = _batch_norm_kernels._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
     _reference._batch_norm_fwd_reference(x, w, b, expected_rm, torch.ones(6), True, 0.1, 1e-5)
     torch.testing.assert_close(rm, expected_rm)
-    _same_meta(real, _kernels._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn")
+    _same_meta(
+        real, _batch_norm_kernels._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn"
+    )
     running_mean = torch.randn(6)
-    op_kernel = _kernels._batch_norm_fwd_op_kernel(_kernels._batch_norm_fwd_cuda)
+    op_kernel = _batch_norm_kernels._batch_norm_fwd_op_kernel(
+        _batch_norm_kernels._batch_norm_fwd_cuda
+    )
     y, save_mean, _, new_mean, new_var = op_kernel(x, w, b, running_mean, rv, False, 0.1, 1e-5)
     assert save_mean.data_ptr() != running_mean.data_ptr()  # no op output aliases an input
     assert new_mean is None and new_var is None

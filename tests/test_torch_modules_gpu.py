@@ -22,7 +22,7 @@ from small_cnn import SmallCNN
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _library
+from cupynorm.torch import _autograd, _batch_norm, _library
 
 pytestmark = [
     pytest.mark.gpu,
@@ -316,7 +316,7 @@ def test_gradcheck_float64(path):
 
     gn = _library.group_norm_fwd_op if op else _autograd._GroupNormFunction.apply
     inorm = _library.instance_norm_fwd_op if op else _autograd._InstanceNormFunction.apply
-    bn = _library.batch_norm_fwd_op if op else _autograd._BatchNormFunction.apply
+    bn = _batch_norm.batch_norm_fwd_op if op else _batch_norm._BatchNormFunction.apply
     row = _library.row_norm_add_mul_fwd_op if op else _autograd._RowNormAddMulFunction.apply
     checks = {
         "group_norm": (lambda x, w, b: gn(x, 3, w, b, 1e-5)[0], (x, w, b)),
@@ -392,14 +392,18 @@ def _op_samples() -> dict:
             (xcl, 3, w, b, 1e-5, "silu", r(3, 6, grad=True)),
         ),
         ("in", _library.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
-        ("bn_train", _library.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
+        ("bn_train", _batch_norm.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
         (
             "bn_train_no_stats",
-            _library.batch_norm_fwd_op,
+            _batch_norm.batch_norm_fwd_op,
             (x, None, b, None, None, True, 0.1, 1e-5),
         ),
-        ("bn_eval", _library.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
-        ("bn_2d", _library.batch_norm_fwd_op, (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5)),
+        ("bn_eval", _batch_norm.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
+        (
+            "bn_2d",
+            _batch_norm.batch_norm_fwd_op,
+            (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5),
+        ),
         ("row", _library.row_norm_add_mul_fwd_op, (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5)),
         (
             "gn_bwd",
@@ -408,7 +412,7 @@ def _op_samples() -> dict:
         ),
         (
             "bn_bwd",
-            _library.batch_norm_bwd_op,
+            _batch_norm.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs() + 0.5, None, True, [True, False, False]),
         ),
         (
@@ -788,9 +792,9 @@ def test_functional_op_writes_the_new_running_statistics(
     old = rm.clone(), rv.clone()
     if act:
         z = torch.randn_like(x)
-        outs = _library.batch_norm_act_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
+        outs = _batch_norm.batch_norm_act_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
     else:
-        outs = _library.batch_norm_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5)
+        outs = _batch_norm.batch_norm_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5)
     new_mean, new_var = outs[3], outs[4]
     assert torch.equal(rm, old[0]) and torch.equal(rv, old[1])  # the inputs are not mutated
     assert new_mean.data_ptr() not in (rm.data_ptr(), rv.data_ptr())

@@ -19,10 +19,6 @@ from torch.autograd.function import once_differentiable
 from cupynorm import _program
 
 from ._kernels import (
-    _batch_norm_act_bwd,
-    _batch_norm_act_bwd_op_args,
-    _batch_norm_bwd,
-    _batch_norm_fwd_program,
     _channel_norm_bwd,
     _channel_norm_fwd,
     _group_norm_act_bwd,
@@ -70,42 +66,6 @@ def _instance_norm_setup(ctx, inputs, output) -> None:
     ctx.num_groups = x.shape[1]
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-
-
-def _batch_norm_setup(ctx, inputs, output) -> tuple:
-    # output: (y, save_mean, save_rstd) from the eager Function, plus the new running stats
-    # (or None) from the op; returns the saved tensors
-    x, weight, training = inputs[0], inputs[1], inputs[5]
-    saved = (x, weight, output[1], output[2])
-    ctx.save_for_backward(*saved)
-    ctx.training = training
-    ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-    ctx.set_materialize_grads(False)
-    return saved
-
-
-def _batch_norm_act_setup(ctx, inputs, output, relu_mask=None) -> tuple:
-    # inputs: batch norm's, then residual and act
-    x, weight, bias, training, residual, act = (inputs[i] for i in (0, 1, 2, 5, 8, 9))
-    # fmt: off
-    saved = _save_batch_norm_act(ctx, x, weight, bias, residual, output[1], output[2], relu_mask,
-                                 training, act)
-    # fmt: on
-    ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
-    ctx.set_materialize_grads(False)
-    return saved
-
-
-def _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask, training, act):
-    """Save what the fused backward reads; return the saved tensors. The activation's gradient
-    recomputes its input from x, the statistics, weight, bias and the residual (no output is
-    kept), or reads the ReLU mask the forward kept instead of the residual."""
-    needs_t = act != "identity"
-    z = residual if needs_t and relu_mask is None else None
-    saved = (x, weight, mean, rstd, z, bias if needs_t else None, relu_mask)
-    ctx.save_for_backward(*saved)
-    ctx.training, ctx.act = training, act
-    return saved
 
 
 # ---- the backward bound at forward time (eager Functions) ------------------------------------
@@ -232,99 +192,6 @@ def _make_group_norm_act_backward(bwd):
     return backward
 
 
-def _make_batch_norm_backward(bwd):
-    def backward(ctx, dy, *_stat_grads):
-        if dy is None:
-            return (None,) * 8
-        x, weight, save_mean, save_rstd = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = [needs[0], needs[1], needs[2]]
-        dx, dweight, dbias = bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask)
-        return dx, dweight, dbias, None, None, None, None, None
-
-    return backward
-
-
-def _make_batch_norm_act_backward(bwd):
-    def backward(ctx, dy, *_stat_grads):
-        if dy is None:
-            return (None,) * 10
-        x, weight, save_mean, save_rstd, residual, bias, _relu_mask = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = [needs[0], needs[1], needs[2], needs[8]]
-        # fmt: off
-        dx, dweight, dbias, dres = bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
-                                       residual, bias, ctx.act)
-        # fmt: on
-        return dx, dweight, dbias, None, None, None, None, None, dres, None
-
-    return backward
-
-
-def _batch_norm_backward_eager(ctx, dy, *_stat_grads):
-    """:func:`_make_batch_norm_backward`'s backward on the kernel, bound to the forward's
-    program when the saved tensors are the forward's own (:func:`_keep_forward`)."""
-    kept, ctx.bound = ctx.bound, None  # a second backward (retain_graph): the full path
-    if dy is None:
-        return (None,) * 9
-    x, weight, save_mean, save_rstd = ctx.saved_tensors
-    forward = None
-    if kept is not None and kept[1] is x and kept[2] is weight:
-        forward = kept[0] if kept[3] is save_mean and kept[4] is save_rstd else None
-    needs = ctx.needs_input_grad
-    mask = [needs[0], needs[1], needs[2]]
-    # fmt: off
-    dx, dweight, dbias = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask,
-                                         forward)
-    # fmt: on
-    return dx, dweight, dbias, None, None, None, None, None, None
-
-
-def _batch_norm_act_backward_eager(ctx, dy, *_stat_grads):
-    """:func:`_make_batch_norm_act_backward`'s backward on the kernel, bound as in
-    :func:`_batch_norm_backward_eager`."""
-    if dy is None:
-        ctx.bound = None
-        return (None,) * 11
-    dx, dweight, dbias, dres = _batch_norm_act_grads(ctx, dy, 8, False)
-    return dx, dweight, dbias, None, None, None, None, None, dres, None, None
-
-
-def _batch_norm_act_grads(ctx, dy, residual_at: int = 3, dense: bool = True) -> tuple:
-    """(dx, dweight, dbias, dresidual) from what :func:`_save_batch_norm_act` saved, bound to the
-    forward's program (``ctx.bound``, dropped here) when the saved tensors are its own; the
-    residual is input ``residual_at`` of the Function. ``dense``: the forward ran on the
-    arguments as given (a replay, cupynorm.torch._replay: the defaults are its), so the bound
-    call takes them as they are, without the layers that make them dense and the gradients'
-    layouts and dtypes match (the host op returns them so for such inputs)."""
-    saved = ctx.saved_tensors
-    forward = _bound_forward(ctx, saved)
-    x, weight, save_mean, save_rstd, residual, bias, relu_mask = saved
-    needs = ctx.needs_input_grad
-    mask = (needs[0], needs[1], needs[2], needs[residual_at])
-    if dense and forward is not None:
-        host = _host()
-        if ctx.act == "identity":
-            args = (dy, x, save_mean, save_rstd, weight, ctx.training, mask[:3])
-            grads = _program.call_bound(forward, host.batch_norm_bwd, args)
-            return (*grads, dy if mask[3] else None)
-        # fmt: off
-        args = _batch_norm_act_bwd_op_args(dy, x, save_mean, save_rstd, weight, ctx.training,
-                                           mask, residual, bias, ctx.act, relu_mask)
-        # fmt: on
-        return _program.call_bound(forward, host.batch_norm_act_bwd, args)
-    if ctx.act == "identity":  # the residual's gradient is dy: plain batch norm's backward
-        # fmt: off
-        grads = _batch_norm_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask[:3],
-                                forward)
-        # fmt: on
-        return (*grads, dy if mask[3] else None)
-    # fmt: off
-    return _batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask, residual,
-                               bias, ctx.act, forward, relu_mask)
-    # fmt: on
-
-
 def _make_row_norm_add_mul_backward(bwd):
     def backward(ctx, dout, _dmean, _drstd):
         if dout is None:
@@ -410,48 +277,6 @@ class _InstanceNormFunction(_EagerFunction):
     backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
 
 
-# ``batches_tracked``: a module's num_batches_tracked, incremented by the forward's kernels, or
-# None (the backwards return a None more than there are inputs then, which autograd allows)
-class _BatchNormFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                batches_tracked=None):  # fmt: skip
-        inputs = (x, weight, bias, running_mean, running_var, training, momentum, eps)
-        output, program = _batch_norm_fwd_program(*inputs, None, "identity", batches_tracked)
-        _keep_forward(ctx, program, _batch_norm_setup(ctx, inputs, output))
-        return output
-
-    backward = staticmethod(_once_differentiable(_batch_norm_backward_eager))
-
-
-class _BatchNormActFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-                act, batches_tracked=None):  # fmt: skip
-        inputs = (
-            x,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            training,
-            momentum,
-            eps,
-            residual,
-            act,
-        )
-        # ReLU with a residual: the forward keeps the ReLU's mask where it can, which the backward
-        # reads instead of the residual (one read of the tensor fewer)
-        keep = act == "relu" and residual is not None
-        output, program = _batch_norm_fwd_program(*inputs, batches_tracked, keep_mask=keep)
-        relu_mask = output[3] if keep else None
-        output = output[:3]
-        _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output, relu_mask))
-        return output
-
-    backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))
-
-
 # ---- replayed eager calls (cupynorm.torch._replay) --------------------------------------------
 # A family's ``save(ctx, call, x, a, b, c, outputs)`` saves what its full Function saves (for the
 # same backward), binds the backward to the forward's program (the replay's condition: no
@@ -470,21 +295,6 @@ class _ReplayFunction(_EagerFunction):
     @_once_differentiable
     def backward(ctx, *grad_outputs):
         return (*ctx.grads(ctx, *grad_outputs), None)
-
-
-def _batch_norm_replay_save(ctx, call, x, weight, bias, residual, outputs):
-    """Batch norm (+ residual + activation), ``call.info`` (training, act): y; saved as
-    :class:`_BatchNormActFunction` saves."""
-    y, mean, rstd, *kept = outputs
-    training, act = call.info
-    relu_mask = kept[0] if kept else None
-    # fmt: off
-    saved = _save_batch_norm_act(ctx, x, weight, bias, residual, mean, rstd, relu_mask, training,
-                                 act)
-    # fmt: on
-    ctx.bound = (call.program, *saved)
-    ctx.grads = _batch_norm_act_grads
-    return y
 
 
 def _group_norm_replay_save(ctx, call, x, weight, bias, shift, outputs):

@@ -45,14 +45,10 @@ from __future__ import annotations
 import torch
 
 from ._autograd import (
-    _batch_norm_act_setup,
-    _batch_norm_setup,
     _channel_norm_setup,
     _group_norm_act_setup,
     _group_norm_setup,
     _instance_norm_setup,
-    _make_batch_norm_act_backward,
-    _make_batch_norm_backward,
     _make_channel_norm_backward,
     _make_group_norm_act_backward,
     _make_group_norm_backward,
@@ -62,13 +58,6 @@ from ._autograd import (
     _row_norm_setup,
 )
 from ._kernels import (
-    _batch_norm_act_bwd_cuda,
-    _batch_norm_act_bwd_fake,
-    _batch_norm_act_bwd_op_kernel,
-    _batch_norm_bwd_cuda,
-    _batch_norm_fwd_cuda,
-    _batch_norm_fwd_fake,
-    _batch_norm_fwd_op_kernel,
     _channel_norm_bwd_cuda,
     _channel_norm_bwd_fake,
     _channel_norm_fwd_cuda,
@@ -96,9 +85,6 @@ from ._kernels import (
     _row_norm_fwd_fake,
 )
 from ._reference import (
-    _batch_norm_act_bwd_reference,
-    _batch_norm_bwd_reference,
-    _batch_norm_fwd_reference,
     _channel_norm_bwd_reference,
     _channel_norm_fwd_reference,
     _group_norm_act_bwd_reference,
@@ -156,25 +142,6 @@ _SCHEMAS = {
         " Tensor running_var, float momentum, float eps)"
         " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
     ),
-    "batch_norm_fwd": (
-        "batch_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
-        " Tensor? running_var, bool training, float momentum, float eps)"
-        " -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
-    ),
-    "batch_norm_bwd": (
-        "batch_norm_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd, Tensor? weight,"
-        " bool training, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "batch_norm_act_fwd": (
-        "batch_norm_act_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
-        " Tensor? running_var, bool training, float momentum, float eps, Tensor? residual,"
-        " str act) -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
-    ),
-    "batch_norm_act_bwd": (
-        "batch_norm_act_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd,"
-        " Tensor? weight, bool training, bool[4] output_mask, Tensor? residual, Tensor? bias,"
-        " str act) -> (Tensor?, Tensor?, Tensor?, Tensor?)"
-    ),
     "row_norm_add_mul_fwd": (
         "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
     ),
@@ -221,22 +188,6 @@ _KERNELS = {
         _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
         _instance_norm_fwd_fake,
     ),
-    "batch_norm_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
-        _batch_norm_fwd_fake,
-    ),
-    "batch_norm_bwd": (_batch_norm_bwd_cuda, _batch_norm_bwd_reference, _norm_bwd_fake),
-    "batch_norm_act_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
-        _batch_norm_fwd_fake,
-    ),
-    "batch_norm_act_bwd": (
-        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_cuda),
-        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_reference),
-        _batch_norm_act_bwd_fake,
-    ),
     "row_norm_add_mul_fwd": (
         _row_norm_add_mul_fwd_cuda,
         _row_norm_add_mul_fwd_reference,
@@ -270,10 +221,6 @@ group_norm_bwd_op = _torch_ops.group_norm_bwd.default
 group_norm_act_fwd_op = _torch_ops.group_norm_act_fwd.default
 group_norm_act_bwd_op = _torch_ops.group_norm_act_bwd.default
 instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
-batch_norm_fwd_op = _torch_ops.batch_norm_fwd.default
-batch_norm_bwd_op = _torch_ops.batch_norm_bwd.default
-batch_norm_act_fwd_op = _torch_ops.batch_norm_act_fwd.default
-batch_norm_act_bwd_op = _torch_ops.batch_norm_act_bwd.default
 row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
 row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
 row_norm_fwd_op = _torch_ops.row_norm_fwd.default
@@ -290,12 +237,6 @@ for _name, _backward, _setup in (
         _group_norm_act_setup,
     ),
     ("instance_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_setup),
-    ("batch_norm_fwd", _make_batch_norm_backward(batch_norm_bwd_op), _batch_norm_setup),
-    (
-        "batch_norm_act_fwd",
-        _make_batch_norm_act_backward(batch_norm_act_bwd_op),
-        _batch_norm_act_setup,
-    ),
     (
         "row_norm_add_mul_fwd",
         _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),

@@ -39,7 +39,6 @@ from torch import Tensor
 from cupynorm import _program
 
 from ._autograd import (
-    _batch_norm_replay_save,
     _channel_norm_replay_save,
     _group_norm_replay_save,
     _hooks_active,
@@ -48,13 +47,13 @@ from ._autograd import (
     _transforms_active,
 )
 from ._kernels import (
-    _batch_norm_fwd_op_args,
     _channel_norm_fwd_op_args,
     _group_norm_fwd_op_args,
     _row_norm_fwd_op_args,
 )
 
-_unwrap = torch._C._functorch.unwrap_if_dead
+#: a functorch wrapper of a dead transform level unwrapped (what ``Function.apply`` does)
+unwrap = torch._C._functorch.unwrap_if_dead
 
 #: what :func:`validated` takes: (the call key, the origin), or None
 Token = tuple | None
@@ -97,39 +96,15 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
     return _ReplayFunction.c_apply(*tensors, call), None
 
 
-def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-               act, batches_tracked, grad) -> tuple[Tensor | None, Token]:  # fmt: skip
-    """``act(batch_norm(x) + residual)`` replayed: (y, None); or (None, a token for
-    :func:`validated`) or (None, None) when the call is not replayed. The arguments are
-    :func:`cupynorm.torch.functional._batch_norm_act`'s (act "identity" and residual None: plain
-    batch norm), on tensors the kernels take (CUDA), in a call nothing traces
-    (``functional._traced``); ``grad``: whether the call needs autograd
-    (``functional._wants_grad``)."""
-    x = _unwrap(x)
-    if residual is not None:
-        residual = _unwrap(residual)
-    if grad:
-        weight = weight if weight is None else _unwrap(weight)
-        bias = bias if bias is None else _unwrap(bias)
-    keep = grad and act == "relu" and residual is not None
-    # fmt: off
-    args = _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training,
-                                   momentum, eps, residual, act, batches_tracked, keep)
-    y, token = run("batch_norm_fwd", args, {}, None, grad, _batch_norm_replay_save,
-                    (training, act), (x, weight, bias, residual))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
-
-
 def group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
                out_float32=False) -> tuple[Tensor | None, Token]:  # fmt: skip
     """Group norm (``act`` None) or ``act(group_norm(x + shift))`` replayed, as
     :func:`batch_norm`: the arguments those of the kernels (under autocast float32 copies of the
     parameters, of x too unless ``out_float32`` (y in float32 beside a half-precision x); the
     ``origin`` saying of what)."""
-    x = _unwrap(x)
+    x = unwrap(x)
     if grad:
-        weight, bias, shift = (t if t is None else _unwrap(t) for t in (weight, bias, shift))
+        weight, bias, shift = (t if t is None else unwrap(t) for t in (weight, bias, shift))
     # fmt: off
     args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad,
                                            out_float32)
@@ -145,11 +120,11 @@ def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
              out_float32=False) -> tuple[Any, Token]:  # fmt: skip
     """LayerNorm / RMSNorm over the trailing ``dims`` of x (after adding ``residual``) replayed,
     as :func:`batch_norm`: y (float32 with ``out_float32``), or (y, sum) with a residual."""
-    x = _unwrap(x)
+    x = unwrap(x)
     if grad:
-        residual, weight, bias = (t if t is None else _unwrap(t) for t in (residual, weight, bias))
+        residual, weight, bias = (t if t is None else unwrap(t) for t in (residual, weight, bias))
     elif residual is not None:
-        residual = _unwrap(residual)
+        residual = unwrap(residual)
     row_len = dims[0] if len(dims) == 1 else math.prod(dims)
     # fmt: off
     args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
@@ -166,9 +141,9 @@ def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None
     """LayerNorm / RMSNorm over dim 1 of contiguous (NCHW) x by the channels family, replayed
     as :func:`batch_norm`. (channels_last input is the row norm of its channels-last view:
     :func:`row_norm`.)"""
-    x = _unwrap(x)
+    x = unwrap(x)
     if grad:
-        weight, bias = (t if t is None else _unwrap(t) for t in (weight, bias))
+        weight, bias = (t if t is None else unwrap(t) for t in (weight, bias))
     args, kwargs = _channel_norm_fwd_op_args(x, weight, bias, eps, rms, grad)
     # fmt: off
     y, token = run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,

@@ -56,8 +56,6 @@ from torch import Tensor
 
 from . import _checks, _replay
 from ._autograd import (
-    _BatchNormActFunction,
-    _BatchNormFunction,
     _ChannelNormFunction,
     _GroupNormActFunction,
     _GroupNormFunction,
@@ -65,9 +63,9 @@ from ._autograd import (
     _RowNormAddMulFunction,
     _RowNormFunction,
 )
+from ._batch_norm import _apply_batch_norm, batch_norm, batch_norm_act
 from ._compile_policy import inductor_takes
 from ._kernels import (
-    _batch_norm_fwd,
     _channel_norm_output,
     _group_norm_act_output,
     _group_norm_output,
@@ -76,8 +74,6 @@ from ._kernels import (
     _row_norm_output,
 )
 from ._library import (
-    batch_norm_act_fwd_op,
-    batch_norm_fwd_op,
     channel_norm_fwd_op,
     group_norm_act_fwd_op,
     group_norm_fwd_op,
@@ -141,75 +137,6 @@ def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, e
     if _wants_grad(x, weight, bias):
         return _InstanceNormFunction.run(*args)[0]
     return _instance_norm_fwd(*args)[0]
-
-
-def _count_on_host(batches_tracked: Tensor | None) -> None:
-    """A module's batch counter incremented by a torch op, where no cupynorm kernel does it
-    (``_batch_norm``)."""
-    if batches_tracked is not None:
-        batches_tracked.add_(1)
-
-
-def _batch_norm_on_kernels(
-    fn: str,
-    args: tuple,
-    batches_tracked: Tensor | None,
-    residual: Tensor | None = None,
-    activation: str | None = None,
-) -> bool:
-    """The checks of a batch norm call (``args``: F.batch_norm's; ``activation`` given: the fused
-    op's epilogue too) and whether it runs on cupynorm's kernels. A module's batch counter is
-    incremented here, by a torch op, when the call is rejected or goes to torch: as torch's module
-    counts it before its F.batch_norm (the kernels count the calls they run)."""
-    input = args[0]
-    try:
-        _checks.check_tensor(fn, "input", input)
-        if activation is not None:
-            _checks.check_epilogue(fn, input, residual, activation)
-        kernels = _use_kernels(input) and not inductor_takes("batch_norm")
-        if kernels:
-            _checks.check_batch_norm(*args)
-    except Exception:
-        _count_on_host(batches_tracked)
-        raise
-    if not kernels:
-        _count_on_host(batches_tracked)
-    return kernels
-
-
-def _apply_batch_norm(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, batches_tracked=None
-):
-    args = (x, weight, bias, running_mean, running_var, training, momentum, eps)
-    if _traced(x):
-        _count_on_host(batches_tracked)
-        y, _mean, _rstd, new_mean, new_var = batch_norm_fwd_op(*args)
-        if new_mean is not None:
-            running_mean.copy_(new_mean)
-        if new_var is not None:
-            running_var.copy_(new_var)
-        return y
-    if _wants_grad(x, weight, bias):
-        return _BatchNormFunction.run(*args, batches_tracked)[0]
-    return _batch_norm_fwd(*args, None, "identity", batches_tracked)[0]
-
-
-def _apply_batch_norm_act(
-    x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act,
-    batches_tracked=None,
-) -> Tensor:  # fmt: skip
-    args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act)
-    if _traced(x):
-        _count_on_host(batches_tracked)
-        y, _mean, _rstd, new_mean, new_var = batch_norm_act_fwd_op(*args)
-        if new_mean is not None:
-            running_mean.copy_(new_mean)
-        if new_var is not None:
-            running_var.copy_(new_var)
-        return y
-    if _wants_grad(x, weight, bias, residual):
-        return _BatchNormActFunction.run(*args, batches_tracked)[0]
-    return _batch_norm_fwd(*args, batches_tracked)[0]
 
 
 def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
@@ -436,154 +363,6 @@ def instance_norm(
     if running_mean is None:
         return _apply_group_norm(input, c, weight, bias, eps)
     return _apply_instance_norm(input, weight, bias, running_mean, running_var, momentum, eps)
-
-
-def batch_norm(
-    input: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    training: bool = False,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> Tensor:
-    r"""Batch normalization (:func:`torch.nn.functional.batch_norm`) on cupynorm's kernels.
-
-    Each channel is normalized over the batch and spatial dimensions
-    (``N * prod(spatial)`` values):
-
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
-
-    In training the batch statistics are used (biased variance) and the running statistics, if
-    given, are updated in place with the unbiased variance:
-    :math:`r \leftarrow (1 - \text{momentum})\, r + \text{momentum} \cdot \text{stat}`. In eval
-    the running statistics are used.
-
-    Args:
-        input: tensor of shape :math:`(N, C, *)`; CUDA tensors run on cupynorm's kernels,
-            tensors on other devices through :func:`torch.nn.functional.batch_norm`.
-        running_mean: running mean of shape :math:`(C,)`, or None (training only).
-        running_var: running variance of shape :math:`(C,)`, or None (training only).
-        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
-        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
-        training: use batch statistics and update the running ones. Default: ``False``
-        momentum: weight of the batch statistics in the running update. Default: 0.1
-        eps: added to the variance for numerical stability. Default: 1e-5
-
-    Shape:
-        - Input: :math:`(N, C, *)`
-        - Output: :math:`(N, C, *)`, same memory format as the input
-
-    Example::
-
-        >>> x = torch.randn(8, 3, 7, 7, device="cuda")
-        >>> mean, var = torch.zeros(3, device="cuda"), torch.ones(3, device="cuda")
-        >>> y = cupynorm.torch.batch_norm(x, mean, var, training=True)
-    """
-    # fmt: off
-    return _batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps,
-                       None)
-    # fmt: on
-
-
-def _batch_norm(
-    input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked
-) -> Tensor:
-    """:func:`batch_norm` with a module's batch counter (``num_batches_tracked``, or None) to
-    increment: by the kernel that updates the running statistics (one launch fewer than torch's
-    module, whose ``add_`` is a kernel of its own), else by a torch op
-    (:func:`_batch_norm_on_kernels`)."""
-    # fmt: off
-    return _batch_norm_route("batch_norm", input, running_mean, running_var, weight, bias,
-                             training, momentum, eps, batches_tracked, None, None)
-    # fmt: on
-
-
-def _batch_norm_route(
-    fn, input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked,
-    residual, activation,
-) -> Tensor:  # fmt: skip
-    """The route of a batch norm call, plain (``activation`` None) or fused: a replay of the
-    same call checked before (:mod:`._replay`), else the checks, then torch's functional or
-    cupynorm's kernels, whose call may be replayed from then on."""
-    y, key = None, None
-    if type(input) is Tensor and _use_kernels(input) and not _traced(input):
-        # fmt: off
-        y, key = _replay.batch_norm(input, weight, bias, running_mean, running_var, training,
-                                    momentum, eps, residual, activation or "identity",
-                                    batches_tracked, _wants_grad(input, weight, bias, residual))
-        # fmt: on
-        if y is not None:
-            return y
-    args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation):
-        y = F.batch_norm(*args)
-        if activation is None:
-            return y
-        return ACTIVATIONS[activation](y if residual is None else y + residual)
-    vectors = (weight, bias, running_mean, running_var)
-    if activation is None:
-        y = _apply_batch_norm(input, *vectors, training, momentum, eps, batches_tracked)
-    else:
-        # fmt: off
-        y = _apply_batch_norm_act(input, *vectors, training, momentum, eps, residual, activation,
-                                  batches_tracked)
-        # fmt: on
-    _replay.validated(key, _layout(input) is not None, vectors)
-    return y
-
-
-def batch_norm_act(
-    input: Tensor,
-    running_mean: Tensor | None,
-    running_var: Tensor | None,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    training: bool = False,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-    residual: Tensor | None = None,
-    activation: str = "relu",
-) -> Tensor:
-    r"""Batch normalization, a residual add and an activation in one pass:
-    ``activation(batch_norm(input, ...) + residual)``.
-
-    The arguments before ``residual`` are :func:`batch_norm`'s. The add and the activation run
-    in the normalize pass (float32, one rounding), and the backward turns the incoming gradient
-    into the activation's input gradient in its first pass (the activation's input recomputed
-    from ``input`` and ``residual``; for ReLU with a residual on channels_last float16/bfloat16
-    data, from a mask the forward keeps instead, a bit per element), which is also the
-    residual's gradient: the forward reads ``input`` and ``residual`` once and writes one
-    tensor, where the unfused sequence makes three passes.
-
-    Args:
-        residual: tensor of the input's shape, dtype and device added before the activation
-            (the ResNet bottleneck's identity branch), or None.
-        activation: ``"relu"``, ``"silu"`` or ``"identity"``. Default: ``"relu"``
-
-    Example::
-
-        >>> x, identity = torch.randn(2, 8, 64, 56, 56, device="cuda").unbind(0)
-        >>> mean, var = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
-        >>> y = cupynorm.torch.batch_norm_act(x, mean, var, training=True, residual=identity)
-    """
-    # fmt: off
-    return _batch_norm_act(input, running_mean, running_var, weight, bias, training, momentum,
-                           eps, None, residual, activation)
-    # fmt: on
-
-
-def _batch_norm_act(
-    input, running_mean, running_var, weight, bias, training, momentum, eps, batches_tracked,
-    residual=None, activation="relu",
-) -> Tensor:  # fmt: skip
-    """:func:`batch_norm_act` with a module's batch counter, as :func:`_batch_norm`."""
-    # fmt: off
-    return _batch_norm_route("batch_norm_act", input, running_mean, running_var, weight, bias,
-                             training, momentum, eps, batches_tracked, residual, activation)
-    # fmt: on
 
 
 def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:

@@ -21,10 +21,9 @@ import warnings
 import torch
 from torch import Tensor
 
+from ._batch_norm import _batch_norm_route
 from ._reference import ACTIVATIONS
 from .functional import (
-    _batch_norm,
-    _batch_norm_act,
     group_norm,
     group_norm_act,
     instance_norm,
@@ -91,7 +90,8 @@ class _BatchNormForward:
     """``forward`` of ``torch.nn.modules.batchnorm._BatchNorm`` on :func:`batch_norm`."""
 
     def forward(self, input: Tensor) -> Tensor:
-        return _batch_norm(*self._batch_norm_args(input, count_in_kernel=True))
+        args = self._batch_norm_args(input, count_in_kernel=True)
+        return _batch_norm_route("batch_norm", *args, None, None)
 
     def _batch_norm_args(
         self, input: Tensor, check: bool = True, count_in_kernel: bool = False
@@ -150,9 +150,9 @@ def _batch_norm_act_forward(
         # activation as torch ops after cupynorm's batch norm. Under torch.compile the fused op
         # stays (resnet50 compiled, H100: batch 256 48.8 -> 45.8 ms per step with it, torch
         # 45.2; benchmarks/NOTES.md 2026-11-26 evening)
-        y = _batch_norm(*args)
+        y = _batch_norm_route("batch_norm", *args, None, None)
         return ACTIVATIONS[activation](y if residual is None else y + residual)
-    return _batch_norm_act(*args, residual, activation)
+    return _batch_norm_route("batch_norm_act", *args, residual, activation)
 
 
 class _InstanceNormForward:
