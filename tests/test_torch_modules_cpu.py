@@ -44,6 +44,8 @@ from cupynorm.torch import (
     _autograd,
     _batch_norm,
     _batch_norm_kernels,
+    _group_norm,
+    _instance_norm,
     _kernels,
     _library,
     _reference,
@@ -438,8 +440,8 @@ def _op_samples():
     w3, b3 = r(3, dtype=torch.float64, grad=True), r(3, dtype=torch.float64, grad=True)
     rm, rv = torch.zeros(6), torch.ones(6)
     rm3, rv3 = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    gn = _library.group_norm_fwd_op
-    inorm = _library.instance_norm_fwd_op
+    gn = _group_norm.group_norm_fwd_op
+    inorm = _instance_norm.instance_norm_fwd_op
     bn = _batch_norm.batch_norm_fwd_op
     return [
         ("gn", gn, (x4, 3, w, b, 1e-5)),
@@ -464,7 +466,7 @@ def _op_samples():
         ),
         (
             "gn_bwd",
-            _library.group_norm_bwd_op,
+            _group_norm.group_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(3, 3), r(3, 3).abs(), r(6), 3, [True, False, True]),
         ),
         (
@@ -498,10 +500,12 @@ def test_gradcheck_reference_ops_both_paths():
         return rm.clone(), rv.clone()
 
     funcs = {
-        "gn_op": lambda x, w, b: _library.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
-        "gn_fn": lambda x, w, b: _autograd._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
-        "in_op": lambda x, w, b: _library.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[0],
-        "in_fn": lambda x, w, b: _autograd._InstanceNormFunction.apply(
+        "gn_op": lambda x, w, b: _group_norm.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
+        "gn_fn": lambda x, w, b: _group_norm._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
+        "in_op": lambda x, w, b: _instance_norm.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[
+            0
+        ],
+        "in_fn": lambda x, w, b: _instance_norm._InstanceNormFunction.apply(
             x, w, b, *stats(), 0.1, 1e-5
         )[0],
     }
@@ -549,9 +553,9 @@ def test_fake_cuda_tensors_shapes_and_layouts():
         )
         assert y.shape == (4, 6, 7)
 
-        y, mean, rstd = _library.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
+        y, mean, rstd = _group_norm.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
         assert mean.shape == rstd.shape == (4, 2) and mean.dtype == torch.float32
-        y, mean, rstd = _library.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
+        y, mean, rstd = _group_norm.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
         assert mean.dtype == torch.float64
         y, mean, rstd, nm, nv = _batch_norm.batch_norm_fwd_op(
             xcl.half(), None, None, None, None, True, 0.1, 1e-5
@@ -663,15 +667,15 @@ def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
     w, b = torch.randn(6, generator=g), torch.randn(12, generator=g)[::2]  # b: strided
     for inp in (x, odd, x.half()):
         ww = w.to(inp.dtype)
-        real = _kernels._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
-        _same_meta(real, _kernels._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
+        real = _group_norm._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
+        _same_meta(real, _group_norm._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
         dy = torch.ones(()).expand(inp.shape)  # stride 0
         for mask in ([True, True, True], [True, False, False], [False, True, False]):
             for weight in (ww, None):
                 args = (dy, inp, real[1], real[2], weight, 3, mask)
                 _same_meta(
-                    _kernels._group_norm_bwd_cuda(*args),
-                    _kernels._norm_bwd_fake(*args),
+                    _group_norm._group_norm_bwd_cuda(*args),
+                    _tensors._norm_bwd_fake(*args),
                     f"gn bwd {mask}",
                 )
     rm, rv = torch.zeros(12)[::2], torch.ones(6)  # rm: strided, updated through a copy

@@ -21,11 +21,6 @@ from cupynorm import _program
 from ._kernels import (
     _channel_norm_bwd,
     _channel_norm_fwd,
-    _group_norm_act_bwd,
-    _group_norm_act_fwd,
-    _group_norm_bwd,
-    _group_norm_fwd,
-    _instance_norm_fwd,
     _row_norm_add_mul_bwd,
     _row_norm_add_mul_fwd,
     _row_norm_bwd,
@@ -33,39 +28,10 @@ from ._kernels import (
 )
 from ._tensors import _host
 
-
 # ---------------------------------------------------------------------------------------------
 # autograd: setup_context + backward, shared by the custom ops and the eager Functions.
 # `bwd` is the backward op (traceable, for the custom ops) or the kernel itself (eager).
 # ---------------------------------------------------------------------------------------------
-def _group_norm_setup(ctx, inputs, output) -> None:
-    x, num_groups, weight = inputs[:3]  # [..., bias, eps, out_float32]
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.num_groups = num_groups
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-
-
-def _group_norm_act_setup(ctx, inputs, output) -> None:
-    # the activation's gradient recomputes its input from x (+ shift), the statistics, weight
-    # and bias
-    x, num_groups, weight, bias, _eps, act, *rest = inputs
-    shift = rest[0] if rest else None
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, bias if act != "identity" else None, mean, rstd, shift)
-    ctx.num_groups, ctx.act = num_groups, act
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-
-
-def _instance_norm_setup(ctx, inputs, output) -> None:
-    # output: (y, mean, rstd) from the eager Function, plus the new running stats from the op
-    x, weight = inputs[0], inputs[1]
-    ctx.save_for_backward(x, weight, output[1], output[2])
-    ctx.num_groups = x.shape[1]
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.set_materialize_grads(False)
 
 
 # ---- the backward bound at forward time (eager Functions) ------------------------------------
@@ -153,45 +119,6 @@ def _make_row_norm_backward(bwd):
     return backward
 
 
-def _make_group_norm_backward(bwd, n_inputs: int, affine_at: int):
-    """Backward of an op whose inputs hold x at 0 and weight, bias at affine_at, affine_at + 1."""
-    none_grads = (None,) * n_inputs
-
-    def backward(ctx, dy, *_stat_grads):
-        if dy is None:
-            return none_grads
-        x, weight, mean, rstd = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        mask = [needs[0], needs[affine_at], needs[affine_at + 1]]
-        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, ctx.num_groups, mask)
-        grads = [None] * n_inputs
-        grads[0], grads[affine_at], grads[affine_at + 1] = dx, dweight, dbias
-        return tuple(grads)
-
-    return backward
-
-
-def _make_group_norm_act_backward(bwd):
-    def backward(ctx, dy, *_stat_grads):
-        needs = ctx.needs_input_grad
-        if dy is None:
-            return (None,) * len(needs)
-        x, weight, bias, mean, rstd, shift = ctx.saved_tensors
-        # the shift's gradient is that of x + shift summed over the spatial dims
-        dshift_needed = len(needs) > 6 and needs[6]
-        mask = [needs[0] or dshift_needed, needs[2], needs[3]]
-        # fmt: off
-        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, bias, ctx.num_groups, mask,
-                                 ctx.act, shift)
-        # fmt: on
-        grads = [dx if needs[0] else None, None, dweight, dbias, None, None]
-        if len(needs) > 6:
-            grads.append(dx.sum(dim=tuple(range(2, dx.dim()))) if dshift_needed else None)
-        return (*grads, *(None,) * (len(needs) - len(grads)))  # [out_float32]
-
-    return backward
-
-
 def _make_row_norm_add_mul_backward(bwd):
     def backward(ctx, dout, _dmean, _drstd):
         if dout is None:
@@ -253,30 +180,6 @@ def _once_differentiable(fn):
     return wrapper
 
 
-# Old-style forward(ctx, ...): a Function that defines setup_context pays for an
-# inspect.signature() bind on every apply (measured: +13 us per call on the dev machine's CPU).
-class _GroupNormFunction(_EagerFunction):
-    # out_float32: y in float32 beside a half x (autocast); dy's dtype tells the backward
-    @staticmethod
-    def forward(ctx, x, num_groups, weight, bias, eps, out_float32=False):
-        output = _group_norm_fwd(x, num_groups, weight, bias, eps, out_float32)
-        _group_norm_setup(ctx, (x, num_groups, weight, bias, eps), output)
-        return output
-
-    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 6, 2)))
-
-
-class _InstanceNormFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps):
-        inputs = (x, weight, bias, running_mean, running_var, momentum, eps)
-        output = _instance_norm_fwd(*inputs)
-        _instance_norm_setup(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
-
-
 # ---- replayed eager calls (cupynorm.torch._replay) --------------------------------------------
 # A family's ``save(ctx, call, x, a, b, c, outputs)`` saves what its full Function saves (for the
 # same backward), binds the backward to the forward's program (the replay's condition: no
@@ -295,43 +198,6 @@ class _ReplayFunction(_EagerFunction):
     @_once_differentiable
     def backward(ctx, *grad_outputs):
         return (*ctx.grads(ctx, *grad_outputs), None)
-
-
-def _group_norm_replay_save(ctx, call, x, weight, bias, shift, outputs):
-    """Group norm, ``call.info`` (num_groups, act: None for plain group norm, else the fused
-    op's activation): y; saved as :class:`_GroupNormActFunction` saves."""
-    y, mean, rstd = outputs
-    ctx.num_groups, ctx.act = call.info
-    needs_bias = ctx.act is not None and ctx.act != "identity"
-    saved = (x, weight, bias if needs_bias else None, mean, rstd, shift)
-    ctx.save_for_backward(*saved)
-    ctx.bound = (call.program, *saved)
-    ctx.grads = _group_norm_replay_grads
-    return y
-
-
-def _group_norm_replay_grads(ctx, dy):
-    """(dx, dweight, dbias, dshift) of a replayed group norm: the backward op bound to the
-    forward's program (the full path's when the saved tensors are not the forward's own)."""
-    saved = ctx.saved_tensors
-    forward = _bound_forward(ctx, saved)
-    x, weight, bias, mean, rstd, shift = saved
-    needs = ctx.needs_input_grad
-    mask = (needs[0] or needs[3], needs[1], needs[2])  # the shift's gradient sums dx
-    if ctx.act is None:
-        args = (dy, x, mean, rstd, weight, ctx.num_groups, mask)
-        full = _group_norm_bwd
-    else:
-        args = (dy, x, mean, rstd, weight, bias, ctx.num_groups, mask, ctx.act, shift)
-        full = _group_norm_act_bwd
-    if forward is None:
-        dx, dweight, dbias = full(*args)
-    else:
-        host = _host()
-        op = host.group_norm_bwd if ctx.act is None else host.group_norm_act_bwd
-        dx, dweight, dbias = _program.call_bound(forward, op, args)
-    dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
-    return (dx if needs[0] else None), dweight, dbias, dshift
 
 
 def _channel_norm_replay_save(ctx, call, x, weight, bias, _none, outputs):
@@ -417,18 +283,6 @@ class _RowNormFunction(_EagerFunction):
         return output
 
     backward = staticmethod(_once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
-
-
-class _GroupNormActFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, num_groups, weight, bias, eps, act, shift, out_float32=False):
-        output = _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift, out_float32)
-        _group_norm_act_setup(ctx, (x, num_groups, weight, bias, eps, act, shift), output)
-        return output
-
-    backward = staticmethod(
-        _once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd))
-    )
 
 
 # ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------

@@ -15,7 +15,6 @@ is contiguous. Statistics are float32 (float64 for float64 input): ``mean``/``rs
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -23,11 +22,6 @@ from torch import Tensor
 from ._reference import (
     _channel_norm_bwd_reference,
     _channel_norm_fwd_reference,
-    _group_norm_act_bwd_reference,
-    _group_norm_bwd_reference,
-    _group_norm_fwd_reference,
-    _instance_norm_fwd_reference,
-    _instance_norm_update,
     _param_dtype,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
@@ -39,217 +33,9 @@ from ._tensors import (
     _cast,
     _dense,
     _empty_out,
-    _finish_bwd,
     _host,
-    _norm_bwd_fake,
     _vec,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# group norm (instance norm is group norm with G = C)
-#   x viewed as (N, G, M) with M = C/G * prod(spatial); per (n, g):
-#     mean = sum(x) / M,  var = sum((x - mean)^2) / M,  rstd = 1 / sqrt(var + eps)
-#     xhat = (x - mean) * rstd,  y = xhat * weight[c] + bias[c]
-#   backward, with gx = dy * weight[c] and <.> the mean over the group:
-#     dx = rstd * (gx - <gx> - xhat * <gx * xhat>)
-#     dweight[c] = sum_{n, spatial} dy * xhat,  dbias[c] = sum_{n, spatial} dy
-# ---------------------------------------------------------------------------------------------
-def _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, want_stats,
-                            out_float32=False) -> tuple:  # fmt: skip
-    """(args, kwargs) of the host op group_norm_fwd: plain group norm (``act`` None) or the
-    fused op (its call key: cupynorm.torch._replay); ``out_float32``: y in float32 beside a
-    half-precision x (autocast)."""
-    kwargs = {"want_stats": want_stats}
-    if out_float32:
-        kwargs["out_dtype"] = "float32"
-    if act is None:
-        return (x, num_groups, weight, bias, eps), kwargs
-    kwargs["act"] = act
-    return (x, num_groups, weight, bias, eps, shift), kwargs
-
-
-def _group_norm_fwd_cuda(
-    x: Tensor,
-    num_groups: int,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    out_float32: bool = False,
-    want_stats: bool = True,
-):
-    """(y, mean, rstd); ``out_float32``: y in float32 beside a half x; without ``want_stats``
-    (no autograd) mean and rstd are None and the kernels skip them where they can."""
-    # fmt: off
-    return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, out_float32,
-                                    want_stats)
-    # fmt: on
-
-
-def _group_norm_bwd_cuda(
-    dy: Tensor,
-    x: Tensor,
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    num_groups: int,
-    output_mask: Sequence[bool],
-):
-    x, fmt = _dense(x)
-    dy = dy.contiguous(memory_format=fmt)
-    dx, dweight, dbias = _host().group_norm_bwd(
-        dy, x, mean, rstd, _vec(weight), num_groups, tuple(output_mask)
-    )
-    return _finish_bwd(dx, dweight, dbias, x, weight, fmt, output_mask)
-
-
-def _group_norm_fwd(x, num_groups, weight, bias, eps, out_float32=False):
-    if x.is_cuda:
-        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, out_float32)
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)
-
-
-def _group_norm_output(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
-    """y alone (no autograd)."""
-    if x.is_cuda:
-        return _group_norm_fwd_cuda(x, num_groups, weight, bias, eps, out_float32, False)[0]
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)[0]
-
-
-def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
-    if x.is_cuda:
-        return _group_norm_bwd_cuda(dy, x, mean, rstd, weight, num_groups, output_mask)
-    return _group_norm_bwd_reference(dy, x, mean, rstd, weight, num_groups, output_mask)
-
-
-def _group_norm_fwd_reference_op(x, num_groups, weight, bias, eps, out_float32=False):
-    """The op's CPU kernel."""
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)
-
-
-def _group_norm_fwd_fake(x, num_groups, weight, bias, eps, out_float32=False):
-    stats = x.new_empty((x.shape[0], num_groups), dtype=_stat_dtype(x.dtype))
-    return _empty_out(x, out_float32), stats, torch.empty_like(stats)
-
-
-# ---------------------------------------------------------------------------------------------
-# group norm + activation: y = act(t), t = group_norm(x) in float32, one rounding; the backward
-# recomputes t from x and the statistics: dt = dy * act'(t) (rounded to x's dtype), then the
-# group norm backward on dt
-# ---------------------------------------------------------------------------------------------
-# With a shift (N, C) (a diffusion block's time embedding), x + shift[n, c] is normalized (the
-# sum in float32 inside the kernels, never stored) and dx is its gradient; the shift's own
-# gradient, dx summed over the spatial dims, is the autograd layer's (_autograd.py).
-def _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False,
-                             want_stats=True):  # fmt: skip
-    """(y, mean, rstd) of the fused op (``act`` None: plain group norm, the host op's plain
-    call); ``out_float32``: y in float32 beside a half-precision x; without ``want_stats`` mean
-    and rstd may be None."""
-    x, fmt = _dense(x)
-    # fmt: off
-    args, kwargs = _group_norm_fwd_op_args(x, num_groups, _vec(weight), _vec(bias), eps, act,
-                                           _vec(shift), want_stats, out_float32)
-    # fmt: on
-    y, mean, rstd = _host().group_norm_fwd(*args, **kwargs)
-    return y.contiguous(memory_format=fmt), mean, rstd
-
-
-def _group_norm_act_bwd_cuda(
-    dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None
-):
-    x, fmt = _dense(x)
-    dy = dy.contiguous(memory_format=fmt)
-    mask = tuple(output_mask)
-    # fmt: off
-    dx, dweight, dbias = _host().group_norm_act_bwd(dy, x, mean, rstd, _vec(weight), _vec(bias),
-                                                    num_groups, mask, act, _vec(shift))
-    # fmt: on
-    return _finish_bwd(dx, dweight, dbias, x, weight, fmt, mask)
-
-
-def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False):
-    if x.is_cuda:
-        # fmt: off
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
-                                        out_float32)
-        # fmt: on
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
-                                     out_float32=out_float32)  # fmt: skip
-
-
-def _group_norm_act_output(x, num_groups, weight, bias, eps, act, shift=None,
-                           out_float32=False) -> Tensor:  # fmt: skip
-    """y alone (no autograd)."""
-    if x.is_cuda:
-        # fmt: off
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
-                                        out_float32, False)[0]
-        # fmt: on
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
-                                     out_float32=out_float32)[0]  # fmt: skip
-
-
-def _group_norm_act_fwd_reference_op(x, num_groups, weight, bias, eps, act, shift=None,
-                                     out_float32=False):  # fmt: skip
-    """The op's CPU kernel."""
-    # fmt: off
-    return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
-                                     out_float32=out_float32)
-    # fmt: on
-
-
-def _group_norm_act_bwd(dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None):
-    args = (dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift)
-    if x.is_cuda:
-        return _group_norm_act_bwd_cuda(*args)
-    return _group_norm_act_bwd_reference(*args)
-
-
-def _group_norm_act_fwd_fake(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False):
-    return _group_norm_fwd_fake(x, num_groups, weight, bias, eps, out_float32)
-
-
-def _group_norm_act_bwd_fake(
-    dy, x, mean, rstd, weight, bias, num_groups, output_mask, act, shift=None
-):
-    return _norm_bwd_fake(dy, x, mean, rstd, weight, num_groups, output_mask)
-
-
-# ---------------------------------------------------------------------------------------------
-# instance norm with running statistics (training): group norm with G = C, then, like torch
-# (batch norm over the (1, N*C, *) view with the running stats repeated N times, averaged over N):
-#   running_mean = (1 - momentum) * running_mean + momentum * mean_n(mean[n, c])
-#   running_var  = (1 - momentum) * running_var  + momentum * mean_n(var[n, c]) * M / (M - 1)
-# ---------------------------------------------------------------------------------------------
-def _instance_norm_fwd_cuda(x, weight, bias, running_mean, running_var, momentum, eps):
-    x, fmt = _dense(x)
-    y, mean, rstd, var = _host().group_norm_fwd(
-        x, x.shape[1], _vec(weight), _vec(bias), eps, want_var=True
-    )
-    _instance_norm_update(running_mean, running_var, mean, var, math.prod(x.shape[2:]), momentum)
-    return y.contiguous(memory_format=fmt), mean, rstd
-
-
-def _instance_norm_fwd(x, weight, bias, running_mean, running_var, momentum, eps):
-    if x.is_cuda:
-        return _instance_norm_fwd_cuda(x, weight, bias, running_mean, running_var, momentum, eps)
-    return _instance_norm_fwd_reference(x, weight, bias, running_mean, running_var, momentum, eps)
-
-
-def _instance_norm_fwd_op_kernel(fwd):
-    """The op's kernel: ``fwd`` updating copies of the running stats, returned as outputs."""
-
-    def kernel(x, weight, bias, running_mean, running_var, momentum, eps):
-        new_mean, new_var = running_mean.clone(), running_var.clone()
-        y, mean, rstd = fwd(x, weight, bias, new_mean, new_var, momentum, eps)
-        return y, mean, rstd, new_mean, new_var
-
-    return kernel
-
-
-def _instance_norm_fwd_fake(x, weight, bias, running_mean, running_var, momentum, eps):
-    y, mean, rstd = _group_norm_fwd_fake(x, x.shape[1], weight, bias, eps)
-    return y, mean, rstd, torch.empty_like(running_mean), torch.empty_like(running_var)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,12 +46,7 @@ import torch
 
 from ._autograd import (
     _channel_norm_setup,
-    _group_norm_act_setup,
-    _group_norm_setup,
-    _instance_norm_setup,
     _make_channel_norm_backward,
-    _make_group_norm_act_backward,
-    _make_group_norm_backward,
     _make_row_norm_add_mul_backward,
     _make_row_norm_backward,
     _row_norm_add_mul_setup,
@@ -62,19 +57,6 @@ from ._kernels import (
     _channel_norm_bwd_fake,
     _channel_norm_fwd_cuda,
     _channel_norm_fwd_fake,
-    _group_norm_act_bwd_cuda,
-    _group_norm_act_bwd_fake,
-    _group_norm_act_fwd_cuda,
-    _group_norm_act_fwd_fake,
-    _group_norm_act_fwd_reference_op,
-    _group_norm_bwd_cuda,
-    _group_norm_fwd_cuda,
-    _group_norm_fwd_fake,
-    _group_norm_fwd_reference_op,
-    _instance_norm_fwd_cuda,
-    _instance_norm_fwd_fake,
-    _instance_norm_fwd_op_kernel,
-    _norm_bwd_fake,
     _row_norm_add_mul_bwd_cuda,
     _row_norm_add_mul_bwd_fake,
     _row_norm_add_mul_fwd_cuda,
@@ -87,9 +69,6 @@ from ._kernels import (
 from ._reference import (
     _channel_norm_bwd_reference,
     _channel_norm_fwd_reference,
-    _group_norm_act_bwd_reference,
-    _group_norm_bwd_reference,
-    _instance_norm_fwd_reference,
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
     _row_norm_bwd_reference,
@@ -120,28 +99,6 @@ def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> Non
 
 
 _SCHEMAS = {
-    "group_norm_fwd": (
-        "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " bool out_float32=False) -> (Tensor, Tensor, Tensor)"
-    ),
-    "group_norm_bwd": (
-        "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
-        " int num_groups, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "group_norm_act_fwd": (
-        "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " str act, Tensor? shift=None, bool out_float32=False) -> (Tensor, Tensor, Tensor)"
-    ),
-    "group_norm_act_bwd": (
-        "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
-        " Tensor? bias, int num_groups, bool[3] output_mask, str act, Tensor? shift=None)"
-        " -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "instance_norm_fwd": (
-        "instance_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
-        " Tensor running_var, float momentum, float eps)"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
     "row_norm_add_mul_fwd": (
         "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
     ),
@@ -171,23 +128,6 @@ _SCHEMAS = {
 
 # name: (CUDA kernel, CPU kernel, fake kernel)
 _KERNELS = {
-    "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference_op, _group_norm_fwd_fake),
-    "group_norm_bwd": (_group_norm_bwd_cuda, _group_norm_bwd_reference, _norm_bwd_fake),
-    "group_norm_act_fwd": (
-        _group_norm_act_fwd_cuda,
-        _group_norm_act_fwd_reference_op,
-        _group_norm_act_fwd_fake,
-    ),
-    "group_norm_act_bwd": (
-        _group_norm_act_bwd_cuda,
-        _group_norm_act_bwd_reference,
-        _group_norm_act_bwd_fake,
-    ),
-    "instance_norm_fwd": (
-        _instance_norm_fwd_op_kernel(_instance_norm_fwd_cuda),
-        _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
-        _instance_norm_fwd_fake,
-    ),
     "row_norm_add_mul_fwd": (
         _row_norm_add_mul_fwd_cuda,
         _row_norm_add_mul_fwd_reference,
@@ -216,11 +156,6 @@ for _name, _schema in _SCHEMAS.items():
     define(_schema, *_KERNELS[_name])
 
 _torch_ops = torch.ops.cupynorm
-group_norm_fwd_op = _torch_ops.group_norm_fwd.default
-group_norm_bwd_op = _torch_ops.group_norm_bwd.default
-group_norm_act_fwd_op = _torch_ops.group_norm_act_fwd.default
-group_norm_act_bwd_op = _torch_ops.group_norm_act_bwd.default
-instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
 row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
 row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
 row_norm_fwd_op = _torch_ops.row_norm_fwd.default
@@ -230,13 +165,6 @@ channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
 
 # each forward op's autograd: (op, backward, setup_context)
 for _name, _backward, _setup in (
-    ("group_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_setup),
-    (
-        "group_norm_act_fwd",
-        _make_group_norm_act_backward(group_norm_act_bwd_op),
-        _group_norm_act_setup,
-    ),
-    ("instance_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_setup),
     (
         "row_norm_add_mul_fwd",
         _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),

@@ -40,7 +40,6 @@ from cupynorm import _program
 
 from ._autograd import (
     _channel_norm_replay_save,
-    _group_norm_replay_save,
     _hooks_active,
     _ReplayFunction,
     _row_norm_replay_save,
@@ -48,7 +47,6 @@ from ._autograd import (
 )
 from ._kernels import (
     _channel_norm_fwd_op_args,
-    _group_norm_fwd_op_args,
     _row_norm_fwd_op_args,
 )
 
@@ -94,26 +92,6 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
         return program.run(bk, key[2], arrays, pointers), None
     call = _Replayed(program, bk, key[2], arrays, pointers, save, info)
     return _ReplayFunction.c_apply(*tensors, call), None
-
-
-def group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
-               out_float32=False) -> tuple[Tensor | None, Token]:  # fmt: skip
-    """Group norm (``act`` None) or ``act(group_norm(x + shift))`` replayed, as
-    :func:`batch_norm`: the arguments those of the kernels (under autocast float32 copies of the
-    parameters, of x too unless ``out_float32`` (y in float32 beside a half-precision x); the
-    ``origin`` saying of what)."""
-    x = unwrap(x)
-    if grad:
-        weight, bias, shift = (t if t is None else unwrap(t) for t in (weight, bias, shift))
-    # fmt: off
-    args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad,
-                                           out_float32)
-    # fmt: on
-    # fmt: off
-    y, token = run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
-                    (num_groups, act), (x, weight, bias, shift))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
 
 
 def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,

@@ -57,31 +57,24 @@ from torch import Tensor
 from . import _checks, _replay
 from ._autograd import (
     _ChannelNormFunction,
-    _GroupNormActFunction,
-    _GroupNormFunction,
-    _InstanceNormFunction,
     _RowNormAddMulFunction,
     _RowNormFunction,
 )
-from ._batch_norm import _apply_batch_norm, batch_norm, batch_norm_act
+from ._batch_norm import batch_norm, batch_norm_act
 from ._compile_policy import inductor_takes
+from ._group_norm import group_norm, group_norm_act
+from ._instance_norm import instance_norm
 from ._kernels import (
     _channel_norm_output,
-    _group_norm_act_output,
-    _group_norm_output,
-    _instance_norm_fwd,
     _row_norm_add_mul_fwd,
     _row_norm_output,
 )
 from ._library import (
     channel_norm_fwd_op,
-    group_norm_act_fwd_op,
-    group_norm_fwd_op,
-    instance_norm_fwd_op,
     row_norm_add_mul_fwd_op,
     row_norm_fwd_op,
 )
-from ._reference import ACTIVATIONS, _layout
+from ._reference import _layout
 from ._route import (
     _AUTOCAST_RMS_NORM,
     _HALF,
@@ -108,35 +101,6 @@ __all__ = [
     "rms_norm2d",
     "row_norm_add_mul",
 ]
-
-
-def _apply_group_norm(x, num_groups, weight, bias, eps, out_float32=False) -> Tensor:
-    if _traced(x):
-        return group_norm_fwd_op(x, num_groups, weight, bias, eps, out_float32)[0]
-    if _wants_grad(x, weight, bias):
-        return _GroupNormFunction.run(x, num_groups, weight, bias, eps, out_float32)[0]
-    return _group_norm_output(x, num_groups, weight, bias, eps, out_float32)
-
-
-def _apply_group_norm_act(x, num_groups, weight, bias, eps, act, shift, out_float32=False):
-    args = (x, num_groups, weight, bias, eps, act, shift)
-    if _traced(x):
-        return group_norm_act_fwd_op(*args, out_float32)[0]
-    if _wants_grad(x, weight, bias) or (shift is not None and _wants_grad(shift, None, None)):
-        return _GroupNormActFunction.run(*args, out_float32)[0]
-    return _group_norm_act_output(*args, out_float32)
-
-
-def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:
-    args = (x, weight, bias, running_mean, running_var, momentum, eps)
-    if _traced(x):
-        y, _mean, _rstd, new_mean, new_var = instance_norm_fwd_op(*args)
-        running_mean.copy_(new_mean)
-        running_var.copy_(new_var)
-        return y
-    if _wants_grad(x, weight, bias):
-        return _InstanceNormFunction.run(*args)[0]
-    return _instance_norm_fwd(*args)[0]
 
 
 def _apply_row_norm_add_mul(x, y, eps) -> Tensor:
@@ -171,198 +135,6 @@ def _apply_channel_norm(x, weight, bias, eps, rms, out_float32=False) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # functional API
 # ---------------------------------------------------------------------------------------------
-def group_norm(
-    input: Tensor,
-    num_groups: int,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-) -> Tensor:
-    r"""Group normalization (:func:`torch.nn.functional.group_norm`) on cupynorm's kernels.
-
-    The ``C`` channels are split into ``num_groups`` groups; each group of each sample is
-    normalized over its ``C / G * prod(spatial)`` values:
-
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
-
-    with the biased variance; :math:`\gamma` (``weight``) and :math:`\beta` (``bias``) are per
-    channel. Statistics are accumulated in float32 (float64 for float64 input). Under CUDA
-    autocast the computation runs in float32, as torch's ``group_norm`` does.
-
-    Args:
-        input: tensor of shape :math:`(N, C, *)`; CUDA tensors (float16, bfloat16, float32,
-            float64; contiguous or channels_last, other strides are copied) run on cupynorm's
-            kernels, tensors on other devices through :func:`torch.nn.functional.group_norm`.
-        num_groups: number of groups ``G``; must divide ``C``.
-        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
-        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
-        eps: added to the variance for numerical stability. Default: 1e-5
-
-    Shape:
-        - Input: :math:`(N, C, *)`
-        - Output: :math:`(N, C, *)`, same memory format as the input (contiguous or
-          channels_last)
-
-    Example::
-
-        >>> x = torch.randn(2, 6, 5, 7, device="cuda", requires_grad=True)
-        >>> y = cupynorm.torch.group_norm(x, 3)
-        >>> y.sum().backward()
-    """
-    _checks.check_tensor("group_norm", "input", input)
-    if not _use_kernels(input):
-        return F.group_norm(input, num_groups, weight, bias, eps)
-    return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
-
-
-def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -> Tensor:
-    """The route of a group norm call on cupynorm's kernels, plain (``activation`` None) or
-    fused: a replay of the same call checked before (:mod:`._replay`), else the checks, then
-    the kernels, whose call may be replayed from then on. Under autocast the kernels take
-    float32 copies of the parameters, as torch's autocast runs group_norm in float32: a
-    half-precision input (and shift) is read as it is, y comes in float32 and dx in the input's
-    dtype, traced calls too (the op takes the half input: no cast kernel before it, none after
-    its backward)."""
-    tensors = (input, shift, weight, bias)  # the first two: what the kernels may read as is
-    autocast = torch.is_autocast_enabled()
-    out_float32 = autocast and input.dtype in _HALF
-    keep = 2 if out_float32 else 0
-    replay = _replay_candidate(tensors)
-    token = None
-    if replay:
-        tensors, origin = _kernel_tensors(tensors, None, autocast, keep)
-        x, s, w, b = tensors
-        # fmt: off
-        y, token = _replay.group_norm(x, num_groups, w, b, eps, activation, s, origin,
-                                      _wants_grad(x, w, b, s), out_float32)
-        # fmt: on
-        if y is not None:
-            return y
-    if activation is not None:
-        _checks.check_epilogue("group_norm_act", input, None, activation)
-        _checks.check_shift("group_norm_act", input, shift)
-    _checks.check_group_norm(input, num_groups, weight, bias, eps)
-    if not replay:
-        tensors = _kernel_tensors(tensors, None, autocast, keep)[0]
-    x, s, w, b = tensors
-    if activation is None:
-        y = _apply_group_norm(x, num_groups, w, b, eps, out_float32)
-    else:
-        y = _apply_group_norm_act(x, num_groups, w, b, eps, activation, s, out_float32)
-    _replay.validated(token, _layout(x) is not None, (w, b, s))
-    return y
-
-
-def group_norm_act(
-    input: Tensor,
-    num_groups: int,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-    activation: str = "silu",
-    shift: Tensor | None = None,
-) -> Tensor:
-    r"""Group normalization and an activation in one pass: ``activation(group_norm(input, ...))``,
-    the norm-activation pair of the diffusion ResNet block.
-
-    The arguments before ``activation`` are :func:`group_norm`'s. The activation runs in the
-    normalize pass on the float32 value (one rounding, of the output); the backward recomputes
-    the activation's input from ``input`` and the saved statistics and turns the incoming
-    gradient into its gradient (rounded to the input's dtype, as the unfused activation's
-    backward hands it to the norm) in the passes it makes anyway. On contiguous (NCHW) input
-    whose groups fit on chip the forward reads ``input`` once and writes once; channels_last
-    input and longer groups take the strided passes with the activation in the last one. Under
-    CUDA autocast the computation runs in float32, as torch's ``group_norm`` then ``silu`` do.
-
-    ``shift`` folds in the add before the norm of diffusers' ResnetBlock2D, its projected time
-    embedding: ``activation(group_norm(input + shift[:, :, None, None], ...))`` for 4-D input
-    (``shift[n, c]`` is added to every value of ``input[n, c]``, whatever the spatial dims). The
-    kernels form the sum in float32 and never store it; torch's unfused add rounds it to the
-    input's dtype and keeps it for the backward, so results agree within that rounding. The
-    shift's gradient is the input gradient summed over the spatial dims.
-
-    Args:
-        activation: ``"silu"``, ``"relu"`` or ``"identity"``. Default: ``"silu"``
-        shift: tensor of shape :math:`(N, C)` and the input's dtype and device, or None.
-            Default: None
-
-    Example::
-
-        >>> x = torch.randn(2, 320, 64, 64, device="cuda", requires_grad=True)
-        >>> y = cupynorm.torch.group_norm_act(x, 32)        # F.silu(F.group_norm(x, 32))
-        >>> y.sum().backward()
-        >>> temb = torch.randn(2, 320, device="cuda")
-        >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
-    """
-    _checks.check_tensor("group_norm_act", "input", input)
-    if _use_kernels(input):
-        return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
-    _checks.check_epilogue("group_norm_act", input, None, activation)
-    _checks.check_shift("group_norm_act", input, shift)
-    if shift is not None:
-        input = input + shift.reshape(*shift.shape, *([1] * (input.dim() - 2)))
-    return ACTIVATIONS[activation](F.group_norm(input, num_groups, weight, bias, eps))
-
-
-def instance_norm(
-    input: Tensor,
-    running_mean: Tensor | None = None,
-    running_var: Tensor | None = None,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    use_input_stats: bool = True,
-    momentum: float = 0.1,
-    eps: float = 1e-5,
-) -> Tensor:
-    r"""Instance normalization (:func:`torch.nn.functional.instance_norm`) on cupynorm's kernels.
-
-    Each channel of each sample is normalized over its ``prod(spatial)`` values (group norm with
-    ``G = C``):
-
-    .. math::
-        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
-
-    With ``use_input_stats`` and running statistics given, they are updated in place with the
-    mean over the batch of the per-instance mean and unbiased variance:
-    :math:`r \leftarrow (1 - \text{momentum})\, r + \text{momentum} \cdot \text{stat}`.
-    With ``use_input_stats=False`` the running statistics are used instead (as batch norm in
-    eval mode).
-
-    Args:
-        input: tensor of shape :math:`(N, C, *)`; CUDA tensors run on cupynorm's kernels,
-            tensors on other devices through :func:`torch.nn.functional.instance_norm`.
-        running_mean: running mean of shape :math:`(C,)`, or None.
-        running_var: running variance of shape :math:`(C,)`, or None.
-        weight: per-channel scale :math:`\gamma` of shape :math:`(C,)`, or None.
-        bias: per-channel shift :math:`\beta` of shape :math:`(C,)`, or None.
-        use_input_stats: normalize with the statistics of each instance. Default: ``True``
-        momentum: weight of the new statistics in the running-statistics update. Default: 0.1
-        eps: added to the variance for numerical stability. Default: 1e-5
-
-    Shape:
-        - Input: :math:`(N, C, *)`
-        - Output: :math:`(N, C, *)`, same memory format as the input
-
-    Example::
-
-        >>> x = torch.randn(4, 3, 7, 9, device="cuda")
-        >>> y = cupynorm.torch.instance_norm(x)
-    """
-    _checks.check_tensor("instance_norm", "input", input)
-    if not _use_kernels(input):
-        return F.instance_norm(
-            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
-        )
-    _checks.check_instance_norm(
-        input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
-    )
-    c = input.shape[1]
-    if not use_input_stats:
-        return _apply_batch_norm(input, weight, bias, running_mean, running_var, False, 0.0, eps)
-    if running_mean is None:
-        return _apply_group_norm(input, c, weight, bias, eps)
-    return _apply_instance_norm(input, weight, bias, running_mean, running_var, momentum, eps)
 
 
 def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
