@@ -84,14 +84,14 @@ def _phases_us(
     False)``, every node run on the calling thread. ``idle``: each of cupynorm's backward functions
     timed with the device idle before it (a synchronize first, outside the timing): its own host
     time, with no wait for a full launch queue in it."""
-    from cupynorm.torch import _autograd, _batch_norm
+    from cupynorm.torch import _autograd, _batch_norm, _row_norm
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     inside = [0.0]
     functions = [
         _batch_norm._BatchNormFunction,
         _batch_norm._BatchNormActFunction,
-        _autograd._RowNormFunction,
+        _row_norm._RowNormFunction,
         _autograd._ChannelNormFunction,
         _autograd._ReplayFunction,
     ]

@@ -733,6 +733,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
         _batch_norm_kernels,
         _group_norm,
         _kernels,
+        _row_norm,
         functional,
     )
 
@@ -744,7 +745,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     for name, functions, kernels in (  # the full Functions, the module of their kernels
         ("group_norm", _group_norm, _group_norm),
         ("group_norm_act", _group_norm, _group_norm),
-        ("row_norm", _autograd, _kernels),
+        ("row_norm", _row_norm, _row_norm),
         ("channel_norm", _autograd, _kernels),
     ):
         setattr(functions, f"_{name}_fwd", getattr(kernels, f"_{name}_fwd_cuda"))
@@ -756,7 +757,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
 
     setattr(_group_norm, "_group_norm_output", output(_group_norm._group_norm_fwd_cuda, 0))
     setattr(_group_norm, "_group_norm_act_output", output(_group_norm._group_norm_act_fwd_cuda, 0))
-    setattr(functional, "_row_norm_output", output(_kernels._row_norm_fwd_cuda, slice(0, 2)))
+    setattr(_row_norm, "_row_norm_output", output(_row_norm._row_norm_fwd_cuda, slice(0, 2)))
     setattr(functional, "_channel_norm_output", output(_kernels._channel_norm_fwd_cuda, 0))
 
 

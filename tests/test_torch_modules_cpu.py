@@ -41,14 +41,12 @@ from torch_cpu_helpers import (
 
 import cupynorm.torch as cnt
 from cupynorm.torch import (
-    _autograd,
     _batch_norm,
     _batch_norm_kernels,
     _group_norm,
     _instance_norm,
-    _kernels,
-    _library,
     _reference,
+    _row_norm_add_mul,
     _tensors,
 )
 
@@ -461,7 +459,7 @@ def _op_samples():
         ("bn_bf16", bn, (r(4, 6, 3).bfloat16(), None, None, rm, rv, True, 0.1, 1e-5)),
         (
             "row",
-            _library.row_norm_add_mul_fwd_op,
+            _row_norm_add_mul.row_norm_add_mul_fwd_op,
             (r(3, 5, 7, grad=True), r(3, 5, 7, grad=True), 1e-5),
         ),
         (
@@ -476,7 +474,7 @@ def _op_samples():
         ),
         (
             "row_bwd",
-            _library.row_norm_add_mul_bwd_op,
+            _row_norm_add_mul.row_norm_add_mul_bwd_op,
             (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs()),
         ),
     ]
@@ -519,10 +517,10 @@ def test_gradcheck_reference_ops_both_paths():
     for name, f in funcs.items():
         assert torch.autograd.gradcheck(f, (x, w, b)), name
     assert torch.autograd.gradcheck(
-        lambda x, y: _library.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _row_norm_add_mul.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
     )
     assert torch.autograd.gradcheck(
-        lambda x, y: _autograd._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _row_norm_add_mul._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
     )
 
 
@@ -564,7 +562,7 @@ def test_fake_cuda_tensors_shapes_and_layouts():
         assert y.stride() == xcl.stride()
         odd = torch.empty(4, 5, 6, 7, device="cuda").transpose(2, 3)  # neither layout
         assert cnt.group_norm(odd, 5).is_contiguous()
-        out, mean, rstd = _library.row_norm_add_mul_fwd_op(x, x, 1e-5)
+        out, mean, rstd = _row_norm_add_mul.row_norm_add_mul_fwd_op(x, x, 1e-5)
         assert mean.shape == (4, 6, 5)
 
 
@@ -695,12 +693,12 @@ def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
     assert new_mean is None and new_var is None
     torch.testing.assert_close(save_mean, running_mean)
     xr, yr = torch.randn(2, 3, 7, generator=g), torch.randn(2, 3, 7, generator=g)
-    real = _kernels._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
-    _same_meta(real, _kernels._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
+    real = _row_norm_add_mul._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
+    _same_meta(real, _row_norm_add_mul._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
     args = (torch.randn(2, 3, 7, generator=g), xr, yr, real[1], real[2])
     _same_meta(
-        _kernels._row_norm_add_mul_bwd_cuda(*args),
-        _kernels._row_norm_add_mul_bwd_fake(*args),
+        _row_norm_add_mul._row_norm_add_mul_bwd_cuda(*args),
+        _row_norm_add_mul._row_norm_add_mul_bwd_fake(*args),
         "row bwd",
     )
 

@@ -22,7 +22,7 @@ from small_cnn import SmallCNN
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _batch_norm, _group_norm, _instance_norm, _library
+from cupynorm.torch import _batch_norm, _group_norm, _instance_norm, _row_norm_add_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -319,7 +319,11 @@ def test_gradcheck_float64(path):
         _instance_norm.instance_norm_fwd_op if op else _instance_norm._InstanceNormFunction.apply
     )
     bn = _batch_norm.batch_norm_fwd_op if op else _batch_norm._BatchNormFunction.apply
-    row = _library.row_norm_add_mul_fwd_op if op else _autograd._RowNormAddMulFunction.apply
+    row = (
+        _row_norm_add_mul.row_norm_add_mul_fwd_op
+        if op
+        else _row_norm_add_mul._RowNormAddMulFunction.apply
+    )
     checks = {
         "group_norm": (lambda x, w, b: gn(x, 3, w, b, 1e-5)[0], (x, w, b)),
         "group_norm_cl": (lambda x, w, b: gn(x, 2, w, b, 1e-5)[0], (xcl, w, b)),
@@ -406,7 +410,11 @@ def _op_samples() -> dict:
             _batch_norm.batch_norm_fwd_op,
             (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5),
         ),
-        ("row", _library.row_norm_add_mul_fwd_op, (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5)),
+        (
+            "row",
+            _row_norm_add_mul.row_norm_add_mul_fwd_op,
+            (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5),
+        ),
         (
             "gn_bwd",
             _group_norm.group_norm_bwd_op,
@@ -419,7 +427,7 @@ def _op_samples() -> dict:
         ),
         (
             "row_bwd",
-            _library.row_norm_add_mul_bwd_op,
+            _row_norm_add_mul.row_norm_add_mul_bwd_op,
             (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs() + 0.5),
         ),
     ]

@@ -16,17 +16,10 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.function import once_differentiable
 
-from cupynorm import _program
-
 from ._kernels import (
     _channel_norm_bwd,
     _channel_norm_fwd,
-    _row_norm_add_mul_bwd,
-    _row_norm_add_mul_fwd,
-    _row_norm_bwd,
-    _row_norm_fwd,
 )
-from ._tensors import _host
 
 # ---------------------------------------------------------------------------------------------
 # autograd: setup_context + backward, shared by the custom ops and the eager Functions.
@@ -63,72 +56,6 @@ def _bound_forward(ctx, saved: tuple):
     if kept is not None and all(a is b for a, b in zip(kept[1:], saved, strict=True)):
         return kept[0]
     return None
-
-
-def _row_norm_add_mul_setup(ctx, inputs, output) -> None:
-    x, y, _eps = inputs
-    _out, mean, rstd = output
-    ctx.save_for_backward(x, y, mean, rstd)
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.set_materialize_grads(False)
-
-
-def _row_norm_setup(ctx, inputs, output) -> None:
-    # inputs: (x, residual, weight, bias, ndim, eps, rms[, cast[, out_float32]]); output: (y, sum,
-    # mean, rstd). A float32 y beside a half x changes nothing here: dy's dtype tells the backward
-    x, residual, weight, _bias, ndim, _eps, _rms = inputs[:7]
-    _y, total, mean, rstd = output
-    # the rows that were normalized: the sum when there is a residual
-    ctx.save_for_backward(x if residual is None else total, weight, mean, rstd)
-    ctx.ndim = ndim
-    ctx.cast = bool(inputs[7]) if len(inputs) > 7 else False
-    ctx.n_inputs = len(inputs)
-    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
-    ctx.set_materialize_grads(False)
-
-
-def _make_row_norm_backward(bwd):
-    """Backward of the row norm op: the gradient of the normalized rows (plus that of the sum,
-    when the sum is an output) goes to x and to the residual alike."""
-
-    def backward(ctx, dy, dsum, _dmean, _drstd):
-        needs = ctx.needs_input_grad
-        want_x = needs[0] or needs[1]
-        normalized, weight, mean, rstd = ctx.saved_tensors
-        dx = dweight = dbias = None
-        if dy is not None:
-            mask = [want_x, needs[2], needs[3]]
-            if any(mask):
-                dsum_x = dsum if want_x else None
-                args = (dy, dsum_x, normalized, mean, rstd, weight, ctx.ndim, mask)
-                dx, dweight, dbias = bwd(*args, ctx.cast) if ctx.cast else bwd(*args)
-        elif want_x:
-            dx = dsum
-        return (
-            dx if needs[0] else None,
-            dx if needs[1] else None,
-            dweight,
-            dbias,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )[: ctx.n_inputs]
-
-    return backward
-
-
-def _make_row_norm_add_mul_backward(bwd):
-    def backward(ctx, dout, _dmean, _drstd):
-        if dout is None:
-            return None, None, None
-        x, y, mean, rstd = ctx.saved_tensors
-        dx, dy = bwd(dout, x, y, mean, rstd)
-        needs = ctx.needs_input_grad
-        return (dx if needs[0] else None), (dy if needs[1] else None), None
-
-    return backward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,74 +142,6 @@ def _channel_norm_replay_grads(ctx, dy):
     x, weight, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     return (*_channel_norm_bwd(dy, x, mean, rstd, weight, [needs[0], needs[1], needs[2]]), None)
-
-
-def _row_norm_replay_save(ctx, call, x, residual, weight, bias, outputs):
-    """Row norm (LayerNorm / RMSNorm, after a residual add when ``residual`` is given),
-    ``call.info`` (row length, cast, normalized shape): y, or (y, sum) with a residual; saved
-    as :class:`_RowNormFunction` saves."""
-    y, total, mean, rstd = outputs
-    saved = (x if residual is None else total, weight, mean, rstd)
-    ctx.save_for_backward(*saved)
-    ctx.row = call.info
-    ctx.bound = (call.program, *saved)
-    ctx.grads = _row_norm_replay_grads
-    if residual is None:
-        return y
-    ctx.set_materialize_grads(False)
-    return y, total
-
-
-def _row_norm_replay_grads(ctx, dy, dsum=None):
-    """(dx, dresidual, dweight, dbias) of a replayed row norm: the gradient of the normalized
-    rows (plus that of the sum) goes to x and the residual alike."""
-    saved = ctx.saved_tensors
-    forward = _bound_forward(ctx, saved)
-    needs = ctx.needs_input_grad
-    want_x = needs[0] or needs[1]
-    dx = dweight = dbias = None
-    if dy is not None:
-        normalized, weight, mean, rstd = saved
-        row_len, cast, dims = ctx.row
-        mask = (want_x, needs[2], needs[3])
-        dsum = dsum if want_x else None
-        if forward is None or dsum is not None:  # a bound call's tensors are the forward's
-            # fmt: off
-            dx, dweight, dbias = _row_norm_bwd(dy, dsum, normalized, mean, rstd, weight, len(dims),
-                                               mask, cast)
-            # fmt: on
-        else:
-            args = (dy, dsum, normalized, mean, rstd, weight, row_len, mask, cast)
-            dx, dweight, dbias = _program.call_bound(forward, _host().row_norm_bwd, args)
-            if len(dims) > 1:  # the host op's are (row_len,)
-                dweight = None if dweight is None else dweight.view(dims)
-                dbias = None if dbias is None else dbias.view(dims)
-    elif want_x:
-        dx = dsum
-    return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
-
-
-class _RowNormAddMulFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, y, eps):
-        output = _row_norm_add_mul_fwd(x, y, eps)
-        _row_norm_add_mul_setup(ctx, (x, y, eps), output)
-        return output
-
-    backward = staticmethod(
-        _once_differentiable(_make_row_norm_add_mul_backward(_row_norm_add_mul_bwd))
-    )
-
-
-class _RowNormFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, ndim, eps, rms, cast=False, out_float32=False):
-        inputs = (x, residual, weight, bias, ndim, eps, rms, cast, out_float32)
-        output = _row_norm_fwd(*inputs)
-        _row_norm_setup(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
 
 
 # ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------

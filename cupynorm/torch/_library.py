@@ -47,32 +47,16 @@ import torch
 from ._autograd import (
     _channel_norm_setup,
     _make_channel_norm_backward,
-    _make_row_norm_add_mul_backward,
-    _make_row_norm_backward,
-    _row_norm_add_mul_setup,
-    _row_norm_setup,
 )
 from ._kernels import (
     _channel_norm_bwd_cuda,
     _channel_norm_bwd_fake,
     _channel_norm_fwd_cuda,
     _channel_norm_fwd_fake,
-    _row_norm_add_mul_bwd_cuda,
-    _row_norm_add_mul_bwd_fake,
-    _row_norm_add_mul_fwd_cuda,
-    _row_norm_add_mul_fwd_fake,
-    _row_norm_bwd_cuda,
-    _row_norm_bwd_fake,
-    _row_norm_fwd_cuda,
-    _row_norm_fwd_fake,
 )
 from ._reference import (
     _channel_norm_bwd_reference,
     _channel_norm_fwd_reference,
-    _row_norm_add_mul_bwd_reference,
-    _row_norm_add_mul_fwd_reference,
-    _row_norm_bwd_reference,
-    _row_norm_fwd_reference,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -99,23 +83,6 @@ def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> Non
 
 
 _SCHEMAS = {
-    "row_norm_add_mul_fwd": (
-        "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
-    ),
-    "row_norm_add_mul_bwd": (
-        "row_norm_add_mul_bwd(Tensor dout, Tensor x, Tensor y, Tensor mean, Tensor rstd)"
-        " -> (Tensor, Tensor)"
-    ),
-    "row_norm_fwd": (
-        "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
-        " float eps, bool rms, bool cast=False, bool out_float32=False)"
-        " -> (Tensor, Tensor?, Tensor?, Tensor)"
-    ),
-    "row_norm_bwd": (
-        "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
-        " Tensor? weight, int ndim, bool[3] output_mask, bool cast=False)"
-        " -> (Tensor?, Tensor?, Tensor?)"
-    ),
     "channel_norm_fwd": (
         "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms,"
         " bool out_float32=False) -> (Tensor, Tensor?, Tensor)"
@@ -128,18 +95,6 @@ _SCHEMAS = {
 
 # name: (CUDA kernel, CPU kernel, fake kernel)
 _KERNELS = {
-    "row_norm_add_mul_fwd": (
-        _row_norm_add_mul_fwd_cuda,
-        _row_norm_add_mul_fwd_reference,
-        _row_norm_add_mul_fwd_fake,
-    ),
-    "row_norm_add_mul_bwd": (
-        _row_norm_add_mul_bwd_cuda,
-        _row_norm_add_mul_bwd_reference,
-        _row_norm_add_mul_bwd_fake,
-    ),
-    "row_norm_fwd": (_row_norm_fwd_cuda, _row_norm_fwd_reference, _row_norm_fwd_fake),
-    "row_norm_bwd": (_row_norm_bwd_cuda, _row_norm_bwd_reference, _row_norm_bwd_fake),
     "channel_norm_fwd": (
         _channel_norm_fwd_cuda,
         _channel_norm_fwd_reference,
@@ -156,21 +111,11 @@ for _name, _schema in _SCHEMAS.items():
     define(_schema, *_KERNELS[_name])
 
 _torch_ops = torch.ops.cupynorm
-row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
-row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
-row_norm_fwd_op = _torch_ops.row_norm_fwd.default
-row_norm_bwd_op = _torch_ops.row_norm_bwd.default
 channel_norm_fwd_op = _torch_ops.channel_norm_fwd.default
 channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
 
 # each forward op's autograd: (op, backward, setup_context)
 for _name, _backward, _setup in (
-    (
-        "row_norm_add_mul_fwd",
-        _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
-        _row_norm_add_mul_setup,
-    ),
-    ("row_norm_fwd", _make_row_norm_backward(row_norm_bwd_op), _row_norm_setup),
     ("channel_norm_fwd", _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup),
 ):
     register_autograd(getattr(_torch_ops, _name).default, _backward, _setup)

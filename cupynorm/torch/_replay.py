@@ -30,7 +30,6 @@ of a key, a call torch's checks reject, a layout that needs a copy -- takes the 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -42,12 +41,10 @@ from ._autograd import (
     _channel_norm_replay_save,
     _hooks_active,
     _ReplayFunction,
-    _row_norm_replay_save,
     _transforms_active,
 )
 from ._kernels import (
     _channel_norm_fwd_op_args,
-    _row_norm_fwd_op_args,
 )
 
 #: a functorch wrapper of a dead transform level unwrapped (what ``Function.apply`` does)
@@ -92,27 +89,6 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
         return program.run(bk, key[2], arrays, pointers), None
     call = _Replayed(program, bk, key[2], arrays, pointers, save, info)
     return _ReplayFunction.c_apply(*tensors, call), None
-
-
-def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
-             out_float32=False) -> tuple[Any, Token]:  # fmt: skip
-    """LayerNorm / RMSNorm over the trailing ``dims`` of x (after adding ``residual``) replayed,
-    as :func:`batch_norm`: y (float32 with ``out_float32``), or (y, sum) with a residual."""
-    x = unwrap(x)
-    if grad:
-        residual, weight, bias = (t if t is None else unwrap(t) for t in (residual, weight, bias))
-    elif residual is not None:
-        residual = unwrap(residual)
-    row_len = dims[0] if len(dims) == 1 else math.prod(dims)
-    # fmt: off
-    args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
-                                         grad, out_float32)
-    out, token = run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
-                      (row_len, cast, dims), (x, residual, weight, bias))
-    # fmt: on
-    if out is None or grad:
-        return out, token
-    return (out[0] if residual is None else out[:2]), token
 
 
 def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:
