@@ -84,7 +84,7 @@ def _phases_us(
     False)``, every node run on the calling thread. ``idle``: each of cupynorm's backward functions
     timed with the device idle before it (a synchronize first, outside the timing): its own host
     time, with no wait for a full launch queue in it."""
-    from cupynorm.torch import _autograd, _batch_norm, _row_norm
+    from cupynorm.torch import _autograd, _batch_norm, _channel_norm, _row_norm
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     inside = [0.0]
@@ -92,7 +92,7 @@ def _phases_us(
         _batch_norm._BatchNormFunction,
         _batch_norm._BatchNormActFunction,
         _row_norm._RowNormFunction,
-        _autograd._ChannelNormFunction,
+        _channel_norm._ChannelNormFunction,
         _autograd._ReplayFunction,
     ]
     originals = [f.__dict__["backward"] for f in functions]  # the staticmethods

@@ -728,13 +728,11 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     from torch_cpu_helpers import patch_route
 
     from cupynorm.torch import (
-        _autograd,
         _batch_norm,
         _batch_norm_kernels,
+        _channel_norm,
         _group_norm,
-        _kernels,
         _row_norm,
-        functional,
     )
 
     patch_route(setattr, "_use_kernels", lambda x: True)
@@ -742,15 +740,15 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     setattr(_batch_norm, "_batch_norm_fwd_program", bn_kernels._batch_norm_fwd_cuda_program)
     setattr(_batch_norm, "_batch_norm_bwd", bn_kernels._batch_norm_bwd_cuda)
     setattr(_batch_norm, "_batch_norm_act_bwd", bn_kernels._batch_norm_act_bwd_cuda)
-    for name, functions, kernels in (  # the full Functions, the module of their kernels
-        ("group_norm", _group_norm, _group_norm),
-        ("group_norm_act", _group_norm, _group_norm),
-        ("row_norm", _row_norm, _row_norm),
-        ("channel_norm", _autograd, _kernels),
+    for family, name in (  # the full Functions, each in its family's module with its kernels
+        (_group_norm, "group_norm"),
+        (_group_norm, "group_norm_act"),
+        (_row_norm, "row_norm"),
+        (_channel_norm, "channel_norm"),
     ):
-        setattr(functions, f"_{name}_fwd", getattr(kernels, f"_{name}_fwd_cuda"))
+        setattr(family, f"_{name}_fwd", getattr(family, f"_{name}_fwd_cuda"))
         # the backwards pick the CPU's kernel by device (some inside closures made at import)
-        setattr(kernels, f"_{name}_bwd_reference", getattr(kernels, f"_{name}_bwd_cuda"))
+        setattr(family, f"_{name}_bwd_reference", getattr(family, f"_{name}_bwd_cuda"))
 
     def output(fwd, pick):  # the no-grad calls' kernels
         return lambda *args: fwd(*args, want_stats=False)[pick]
@@ -758,7 +756,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     setattr(_group_norm, "_group_norm_output", output(_group_norm._group_norm_fwd_cuda, 0))
     setattr(_group_norm, "_group_norm_act_output", output(_group_norm._group_norm_act_fwd_cuda, 0))
     setattr(_row_norm, "_row_norm_output", output(_row_norm._row_norm_fwd_cuda, slice(0, 2)))
-    setattr(functional, "_channel_norm_output", output(_kernels._channel_norm_fwd_cuda, 0))
+    setattr(_channel_norm, "_channel_norm_output", output(_channel_norm._channel_norm_fwd_cuda, 0))
 
 
 @pytest.fixture

@@ -1,11 +1,14 @@
-"""Autograd of the cupynorm ops: setup_context and backward, shared by the custom ops
-(:mod:`._library`) and the eager ``autograd.Function`` fast path defined here.
+"""The eager autograd machinery that every norm family's ``autograd.Function`` shares.
 
-The backward makers take ``bwd``: the backward op (traceable, for the custom ops) or the kernel
-itself (eager). Old-style ``forward(ctx, ...)`` Functions: one that defines ``setup_context``
-pays for an ``inspect.signature()`` bind on every ``apply`` (measured: +13 us per call on the dev
-machine's CPU). Double backward is not supported: the backward is a kernel without a derivative
-(``once_differentiable``).
+Each family (:mod:`._batch_norm`, :mod:`._group_norm`, ...) writes its setup_context and
+backward once, for its custom op and its eager Function alike: the backward makers take
+``bwd``, the backward op (traceable, for the custom op) or the kernel itself (eager). The eager
+Functions are old-style ``forward(ctx, ...)`` subclasses of :class:`_EagerFunction`: one that
+defines ``setup_context`` pays for an ``inspect.signature()`` bind on every ``apply`` (measured:
++13 us per call on the dev machine's CPU). Here: that base, the backward bound to the forward's
+recorded program (:func:`_keep_forward`, :func:`_bound_forward`), and the Function of a
+replayed call (:class:`_ReplayFunction`). Double backward is not supported: the backward is a
+kernel without a derivative (``once_differentiable``).
 """
 
 from __future__ import annotations
@@ -15,17 +18,6 @@ import functools
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 from torch.autograd.function import once_differentiable
-
-from ._kernels import (
-    _channel_norm_bwd,
-    _channel_norm_fwd,
-)
-
-# ---------------------------------------------------------------------------------------------
-# autograd: setup_context + backward, shared by the custom ops and the eager Functions.
-# `bwd` is the backward op (traceable, for the custom ops) or the kernel itself (eager).
-# ---------------------------------------------------------------------------------------------
-
 
 # ---- the backward bound at forward time (eager Functions) ------------------------------------
 # Everything in the backward's recorded-call key but dy is fixed by the forward: its input,
@@ -44,7 +36,7 @@ def _hooks_active() -> bool:
 
 def _keep_forward(ctx, program, saved: tuple) -> None:
     """Keep the forward's recorded program and saved tensors for the backward, if any (the
-    eager backwards: :func:`_batch_norm_backward_eager`)."""
+    eager backwards: :func:`._batch_norm._batch_norm_backward_eager`)."""
     ctx.bound = None if program is None or _hooks_active() else (program, *saved)
 
 
@@ -125,56 +117,3 @@ class _ReplayFunction(_EagerFunction):
     @_once_differentiable
     def backward(ctx, *grad_outputs):
         return (*ctx.grads(ctx, *grad_outputs), None)
-
-
-def _channel_norm_replay_save(ctx, call, x, weight, bias, _none, outputs):
-    """Channel norm of NCHW input (the channels family): y; saved as
-    :class:`_ChannelNormFunction` saves. Its backward is the full path's (the backward's route
-    may differ from the forward's: channel_norm_bwd)."""
-    y, mean, rstd = outputs
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.grads = _channel_norm_replay_grads
-    return y
-
-
-def _channel_norm_replay_grads(ctx, dy):
-    """(dx, dweight, dbias, None) of a replayed channel norm."""
-    x, weight, mean, rstd = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    return (*_channel_norm_bwd(dy, x, mean, rstd, weight, [needs[0], needs[1], needs[2]]), None)
-
-
-# ---- channel norms (LayerNorm / RMSNorm over dim 1) ------------------------------------------
-def _channel_norm_setup(ctx, inputs, output) -> None:
-    # inputs: (x, weight, bias, eps, rms); output: (y, mean, rstd)
-    x, weight = inputs[0], inputs[1]
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
-    ctx.set_materialize_grads(False)
-
-
-def _make_channel_norm_backward(bwd):
-    def backward(ctx, dy, _dmean, _drstd):
-        needs = ctx.needs_input_grad
-        nones = (None,) * (len(needs) - 3)  # eps, rms[, out_float32]
-        if dy is None:
-            return None, None, None, *nones
-        x, weight, mean, rstd = ctx.saved_tensors
-        mask = [needs[0], needs[1], needs[2]]
-        if not any(mask):
-            return None, None, None, *nones
-        dx, dweight, dbias = bwd(dy, x, mean, rstd, weight, mask)
-        return dx, dweight, dbias, *nones
-
-    return backward
-
-
-class _ChannelNormFunction(_EagerFunction):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, rms, out_float32=False):
-        output = _channel_norm_fwd(x, weight, bias, eps, rms, out_float32)
-        _channel_norm_setup(ctx, (x, weight, bias, eps, rms), output)
-        return output
-
-    backward = staticmethod(_once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))

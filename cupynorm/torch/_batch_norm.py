@@ -17,9 +17,9 @@ The forward ops are functional (:mod:`._library`): they return the updated runni
 (None where nothing is updated), which the route writes back with ``copy_``; the eager
 Functions update them in place inside the kernel, and count a module's batches there too.
 
-Top to bottom: the ops, their autograd (setup_context and backward), the eager
-``autograd.Function``\ s (backward bound to the forward's recorded program), the replay's
-save and grads (:mod:`._replay`), the route, the public functionals.
+Top to bottom: the ops, their autograd (setup_context and backward), the eager Functions
+(``autograd.Function``; the backward bound to the forward's recorded program), the replay's
+save, grads and entry (:mod:`._replay`), the route, the public functionals.
 """
 
 from __future__ import annotations

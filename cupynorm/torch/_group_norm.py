@@ -28,9 +28,9 @@ Custom ops (``torch.ops.cupynorm.*``)::
 
 Top to bottom: the kernels (``_*_cuda`` call the host code :mod:`cupynorm._ops`, the reference
 kernels of :mod:`._reference` run on the CPU, ``_*_fake`` are the fake kernels), the ops, their
-autograd (setup_context and backward), the eager ``autograd.Function``\ s, the replay's save and
-grads (:mod:`._replay`), the route, the public functionals. Instance norm (group norm with
-G = C, plus running statistics) is :mod:`._instance_norm`.
+autograd (setup_context and backward), the eager Functions (``autograd.Function``), the
+replay's save, grads and entry (:mod:`._replay`), the route, the public functionals. Instance
+norm (group norm with G = C, plus running statistics) is :mod:`._instance_norm`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,15 @@
-"""The cupynorm custom ops (``torch.ops.cupynorm.*``): schemas, kernels per device, fake kernels
-and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the graph::
+"""The library of the cupynorm custom ops (``torch.ops.cupynorm.*``) and the two calls every family
+registers its ops with: schema, a kernel per device and a fake kernel (:func:`define`), then the
+forward op's autograd (:func:`register_autograd`), so ``torch.compile(fullgraph=True)`` keeps
+them in the graph. Each op is defined in its family's module, with its schema in that module's
+docstring::
 
-    group_norm_fwd(x, num_groups, weight?, bias?, eps, out_float32=False) -> (y, mean, rstd)
-        # out_float32: y in float32 beside a half-precision x (autocast's float32 norm)
-    group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
-        -> (dx?, dweight?, dbias?)
-    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act, shift?=None, out_float32=False)
-        -> (y, mean, rstd)
-        # y = act(group_norm(x + shift[n, c]))
-    group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act,
-                       shift?=None) -> (dx?, dweight?, dbias?)
-    instance_norm_fwd(x, weight?, bias?, running_mean, running_var, momentum, eps)
-        -> (y, mean, rstd, new_running_mean, new_running_var)   # group norm with G = C
-    batch_norm_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps)
-        -> (y, save_mean, save_rstd, new_running_mean?, new_running_var?)
-    batch_norm_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask)
-        -> (dx?, dweight?, dbias?)
-    batch_norm_act_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps,
-                       residual?, act) -> as batch_norm_fwd         # y = act(norm(x) + residual)
-    batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask, residual?,
-                       bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
-    row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
-    row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
-    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False, out_float32=False)
-        -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
-                                    # cast: LlamaRMSNorm's rounding of xhat before the weight
-    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask, cast=False)
-        -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
-    channel_norm_fwd(x, weight?, bias?, eps, rms, out_float32=False)
-        -> (y, mean?, rstd)          # LayerNorm / RMSNorm over dim 1, stats (N, *spatial)
-    channel_norm_bwd(dy, x, mean?, rstd, weight?, output_mask) -> (dx?, dweight?, dbias?)
+    group_norm_fwd, group_norm_bwd, group_norm_act_fwd, group_norm_act_bwd    _group_norm
+    instance_norm_fwd (its backward: group_norm_bwd)                          _instance_norm
+    batch_norm_fwd, batch_norm_bwd, batch_norm_act_fwd, batch_norm_act_bwd    _batch_norm
+    row_norm_fwd, row_norm_bwd (LayerNorm / RMSNorm, Llama's with cast)       _row_norm
+    row_norm_add_mul_fwd, row_norm_add_mul_bwd                                _row_norm_add_mul
+    channel_norm_fwd, channel_norm_bwd                                        _channel_norm
 
 Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
 input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
@@ -44,24 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import (
-    _channel_norm_setup,
-    _make_channel_norm_backward,
-)
-from ._kernels import (
-    _channel_norm_bwd_cuda,
-    _channel_norm_bwd_fake,
-    _channel_norm_fwd_cuda,
-    _channel_norm_fwd_fake,
-)
-from ._reference import (
-    _channel_norm_bwd_reference,
-    _channel_norm_fwd_reference,
-)
-
-# ---------------------------------------------------------------------------------------------
-# custom op registration
-# ---------------------------------------------------------------------------------------------
 _lib = torch.library.Library("cupynorm", "FRAGMENT")
 
 
@@ -80,42 +42,3 @@ def define(schema: str, cuda_kernel, cpu_kernel, fake_kernel) -> torch._ops.OpOv
 def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> None:
     """A forward op's autograd: ``backward`` (which calls the backward op) and ``setup_context``."""
     torch.library.register_autograd(op.name(), backward, setup_context=setup_context, lib=_lib)
-
-
-_SCHEMAS = {
-    "channel_norm_fwd": (
-        "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms,"
-        " bool out_float32=False) -> (Tensor, Tensor?, Tensor)"
-    ),
-    "channel_norm_bwd": (
-        "channel_norm_bwd(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor? weight,"
-        " bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-}
-
-# name: (CUDA kernel, CPU kernel, fake kernel)
-_KERNELS = {
-    "channel_norm_fwd": (
-        _channel_norm_fwd_cuda,
-        _channel_norm_fwd_reference,
-        _channel_norm_fwd_fake,
-    ),
-    "channel_norm_bwd": (
-        _channel_norm_bwd_cuda,
-        _channel_norm_bwd_reference,
-        _channel_norm_bwd_fake,
-    ),
-}
-
-for _name, _schema in _SCHEMAS.items():
-    define(_schema, *_KERNELS[_name])
-
-_torch_ops = torch.ops.cupynorm
-channel_norm_fwd_op = _torch_ops.channel_norm_fwd.default
-channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
-
-# each forward op's autograd: (op, backward, setup_context)
-for _name, _backward, _setup in (
-    ("channel_norm_fwd", _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup),
-):
-    register_autograd(getattr(_torch_ops, _name).default, _backward, _setup)

@@ -18,9 +18,10 @@ forward's program, :func:`cupynorm._program.call_bound`).
 Families: batch norm (plain and fused), group norm (plain and fused), row norms (LayerNorm,
 RMSNorm, their residual forms, Llama's RMSNorm), channel norms (LayerNorm2d / RMSNorm2d: NCHW
 input by the channels family; channels_last input replayed as the row norm of its (N, *spatial,
-C) view, under the function's name as origin).
-Their save and backward are in :mod:`._autograd` (``_<family>_replay_save``,
-``_<family>_replay_grads``).
+C) view, under the function's name as origin). What is a family's is in its module: its entry
+``_replay_<family>`` (the host op's arguments built as its full path builds them, handed to
+:func:`run` with the rest), its ``_<family>_replay_save`` and ``_<family>_replay_grads``. This
+module imports no family: it is the generic part, :func:`run` and :func:`validated`.
 
 Replayed: CUDA tensors, no tracing (``torch.compile``, tensor subclasses, dispatch modes), no
 functorch transform, and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
@@ -33,19 +34,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from cupynorm import _program
 
-from ._autograd import (
-    _channel_norm_replay_save,
-    _hooks_active,
-    _ReplayFunction,
-    _transforms_active,
-)
-from ._kernels import (
-    _channel_norm_fwd_op_args,
-)
+from ._autograd import _hooks_active, _ReplayFunction, _transforms_active
 
 #: a functorch wrapper of a dead transform level unwrapped (what ``Function.apply`` does)
 unwrap = torch._C._functorch.unwrap_if_dead
@@ -71,7 +63,9 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
     replay Function's, None); or (None, the token to hand :func:`validated`) when its program
     was not validated for ``origin``; or (None, None) when something besides the call decides
     (a recording, a functorch transform, saved-tensor hooks when the call needs autograd) or a
-    tensor is on another device. ``tensors``: the Function's inputs (x, a, b, c)."""
+    tensor is on another device. What the family gives: ``save`` and ``info``, its save
+    function and the call's constants (:class:`._autograd._ReplayFunction`); ``tensors``: the
+    Function's inputs (x, a, b, c)."""
     if _program._active.recording is not None or _transforms_active():
         return None, None
     if grad and _hooks_active():
@@ -91,25 +85,10 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
     return _ReplayFunction.c_apply(*tensors, call), None
 
 
-def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:
-    """LayerNorm / RMSNorm over dim 1 of contiguous (NCHW) x by the channels family, replayed
-    as :func:`batch_norm`. (channels_last input is the row norm of its channels-last view:
-    :func:`row_norm`.)"""
-    x = unwrap(x)
-    if grad:
-        weight, bias = (t if t is None else unwrap(t) for t in (weight, bias))
-    args, kwargs = _channel_norm_fwd_op_args(x, weight, bias, eps, rms, grad)
-    # fmt: off
-    y, token = run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,
-                    None, (x, weight, bias, None))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
-
-
 def validated(token: Token, as_given: bool, vectors: tuple) -> None:
-    """The full path ran the call of ``token`` (:func:`batch_norm`, ...) to the end: replay its
-    program for that origin from now on, when the op was called with the arguments as given
-    (``as_given``: the input and any other full-size tensor taken without a copy; the
+    """The full path ran the call of ``token`` (a family's ``_replay_<family>``) to the end:
+    replay its program for that origin from now on, when the op was called with the arguments
+    as given (``as_given``: the input and any other full-size tensor taken without a copy; the
     ``vectors`` contiguous) and recorded it."""
     if token is None or not as_given:
         return
