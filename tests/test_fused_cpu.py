@@ -289,17 +289,17 @@ def test_fuse_batch_norm_act_subclass_runs_the_fused_op(kernels, monkeypatch, ac
     """A BatchNorm2d-act subclass replace_norms adopts with its tail: on the fused op when its
     act is a ReLU/SiLU module and its drop an Identity; otherwise its own tail after the norm.
     Trains as the subclass itself does (outputs, gradients, running statistics, batch count)."""
-    from cupynorm.torch import modules
+    from cupynorm.torch import _module_forward
 
     calls = []
-    real = modules._batch_norm_route
+    real = _module_forward._batch_norm_route
 
     def spy(fn, *args, **kwargs):
         if fn == "batch_norm_act":  # the fused op's route (its last argument: the activation)
             calls.append(args[-1])
         return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(modules, "_batch_norm_route", spy)
+    monkeypatch.setattr(_module_forward, "_batch_norm_route", spy)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Conv2d(4, 6, 1), _BatchNormTail(6, act, drop)).double()
     report: list[str] = []
