@@ -37,7 +37,8 @@ from ._tensors import _dense, _empty_out, _finish_bwd, _host, _norm_bwd_fake, _v
 def _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training, momentum,
                             eps, residual, act, batches_tracked, keep_mask,
                             running_out=None) -> tuple:  # fmt: skip
-    """The host op batch_norm_fwd's arguments (its call key: cupynorm.torch._replay)."""
+    """The host op batch_norm_fwd's arguments (also the replay's call key:
+    :func:`._batch_norm._replay_batch_norm`)."""
     args = (x, weight, bias, running_mean, running_var, training, momentum, eps, residual, act,
             batches_tracked)  # fmt: skip
     if running_out is not None:
@@ -130,7 +131,7 @@ def _batch_norm_bwd_cuda(dy, x, save_mean, save_rstd, weight, training, output_m
 def _batch_norm_act_bwd_op_args(dy, x, save_mean, save_rstd, weight, training, output_mask,
                                 residual, bias, act, relu_mask) -> tuple:  # fmt: skip
     """The host op batch_norm_act_bwd's arguments (also built by the replayed backward,
-    cupynorm.torch._autograd._batch_norm_act_grads: one key for both)."""
+    cupynorm.torch._batch_norm._batch_norm_act_grads: one key for both)."""
     args = (dy, x, save_mean, save_rstd, weight, training, output_mask, residual, bias, act)
     return args if relu_mask is None else (*args, relu_mask)
 

@@ -52,7 +52,8 @@ from ._tensors import _cast, _dense, _empty_out, _host, _vec
 # ---------------------------------------------------------------------------------------------
 def _channel_norm_fwd_op_args(x, weight, bias, eps, rms, want_stats):
     """(args, kwargs) of the host op _channel_norm_fwd, the channels family's (NCHW input whose
-    channels one CTA holds), as channel_norm_fwd calls it (its call key: cupynorm.torch._replay)."""
+    channels one CTA holds), as channel_norm_fwd calls it (its call key:
+    :func:`_replay_channel_norm`)."""
     return (x, weight, bias, eps, rms), {"want_stats": want_stats}
 
 

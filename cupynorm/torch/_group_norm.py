@@ -71,8 +71,8 @@ from ._tensors import _dense, _empty_out, _finish_bwd, _host, _norm_bwd_fake, _v
 def _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, want_stats,
                             out_float32=False) -> tuple:  # fmt: skip
     """(args, kwargs) of the host op group_norm_fwd: plain group norm (``act`` None) or the
-    fused op (its call key: cupynorm.torch._replay); ``out_float32``: y in float32 beside a
-    half-precision x (autocast)."""
+    fused op (also the replay's call key: :func:`_replay_group_norm`); ``out_float32``: y in
+    float32 beside a half-precision x (autocast)."""
     kwargs = {"want_stats": want_stats}
     if out_float32:
         kwargs["out_dtype"] = "float32"
@@ -91,8 +91,9 @@ def _group_norm_fwd_cuda(
     out_float32: bool = False,
     want_stats: bool = True,
 ):
-    """(y, mean, rstd); ``out_float32``: y in float32 beside a half x; without ``want_stats``
-    (no autograd) mean and rstd are None and the kernels skip them where they can."""
+    """The op's CUDA kernel: (y, mean, rstd); ``out_float32``: y in float32 beside a half x;
+    without ``want_stats`` (no autograd) mean and rstd are None and the kernels skip them where
+    they can."""
     # fmt: off
     return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, out_float32,
                                     want_stats)
@@ -335,7 +336,7 @@ _library.register_autograd(
 
 
 # ---------------------------------------------------------------------------------------------
-# eager Functions (old-style forward(ctx, ...): see _autograd)
+# eager Functions
 # ---------------------------------------------------------------------------------------------
 # Old-style forward(ctx, ...): a Function that defines setup_context pays for an
 # inspect.signature() bind on every apply (measured: +13 us per call on the dev machine's CPU).

@@ -61,7 +61,8 @@ def _split(x: Tensor, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast, want_stats,
                           out_float32=False):  # fmt: skip
-    """(args, kwargs) of the host op row_norm_fwd (its call key: cupynorm.torch._replay)."""
+    """(args, kwargs) of the host op row_norm_fwd (also the replay's call key:
+    :func:`_replay_row_norm`)."""
     kwargs = {"want_stats": want_stats, "cast": True} if cast else {"want_stats": want_stats}
     if out_float32:
         kwargs["out_dtype"] = "float32"

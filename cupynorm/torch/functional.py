@@ -1,10 +1,10 @@
 r"""The functional API of :mod:`cupynorm.torch`: the public namespace of its functions.
 
-Each function lives in its norm family's module, with everything of the family from its
-kernels on each device to the function (a reader finds a norm's custom op, fake kernel,
-autograd and Function together, in one file read top to bottom: kernels on each device, custom
-ops, autograd (setup_context and backward), eager Functions, the replay's save and entry, the
-route, the public functions):
+Each function lives in its norm family's module with everything of the family, from its
+kernels to the function, in one file read top to bottom: the kernels on each device (CUDA glue
+to the host code, the CPU reference, the fake kernel), the custom ops and their registration,
+the autograd (setup_context and backward), the eager Functions, the replay's save, grads and
+entry, the route, the public functions:
 
 - :mod:`._batch_norm` (its kernels: :mod:`._batch_norm_kernels`): :func:`batch_norm`,
   :func:`batch_norm_act`;
@@ -16,8 +16,9 @@ route, the public functions):
 - :mod:`._channel_norm` (above the row norm, whose replay it takes for channels_last input):
   :func:`layer_norm2d`, :func:`rms_norm2d`.
 
-Imports go one way: this namespace and the modules (:mod:`.modules`, :mod:`.convert`,
-:mod:`.fuse`, :mod:`.sync_batchnorm`) -> the family modules -> shared modules that import no
+Imports go one way: this namespace and the modules (:mod:`.modules` with the torch forward
+logic they mix in, :mod:`._module_forward`; :mod:`.convert`, :mod:`.fuse`,
+:mod:`.sync_batchnorm`) -> the family modules -> shared modules that import no
 family: :mod:`._route` (which calls run on the kernels, the custom op or a replay),
 :mod:`._replay` (the generic replay), :mod:`._autograd` (the eager Functions' base),
 :mod:`._library` (the op library), :mod:`._tensors` (layouts around the host code),
@@ -50,14 +51,13 @@ parameters need grad) and 21 us (BatchNorm2d training). To re-measure on a GPU::
         t = B.Timer(stmt, globals=globals()).blocked_autorange(min_run_time=1)
         print(f"{stmt:64s} {t.median * 1e6:7.1f} us")
 
-**Functional API** (:func:`group_norm`, :func:`group_norm_act`, :func:`instance_norm`,
-:func:`batch_norm`, :func:`batch_norm_act`,
-:func:`row_norm_add_mul`, :func:`layer_norm`, :func:`rms_norm`, :func:`add_layer_norm`,
-:func:`add_rms_norm`, over the channels of ``(N, C, *)`` :func:`layer_norm2d`,
-:func:`rms_norm2d`; :func:`llama_rms_norm`, Hugging Face's LlamaRMSNorm formula):
-``torch.nn.functional`` semantics and argument names; CUDA tensors run
-on cupynorm's kernels after :mod:`._checks` (bad arguments raise torch's own error for them), any
-other device through :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
+**Functional API**: ``torch.nn.functional`` semantics and argument names (the fused
+:func:`group_norm_act`, :func:`batch_norm_act`, :func:`add_layer_norm`, :func:`add_rms_norm`,
+:func:`row_norm_add_mul` and the norms over the channels of ``(N, C, *)``, :func:`layer_norm2d`
+and :func:`rms_norm2d`, follow the same conventions; :func:`llama_rms_norm` is Hugging Face's
+LlamaRMSNorm formula); CUDA tensors run on cupynorm's kernels after :mod:`._checks` (bad
+arguments raise torch's own error for them), any other device through
+:mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
 Not supported: double backward (the backward is a kernel without a derivative) and functorch
 transforms (``torch.func.grad``/``vmap``: ops registered through ``torch.library`` with
