@@ -96,17 +96,17 @@ def _every_norm_on_the_kernels_when_compiled():
 @pytest.fixture
 def kernels(monkeypatch):
     """Send CPU tensors down the CUDA route (eager fast path), onto the reference kernels."""
-    from cupynorm.torch import functional as cnf
+    from torch_cpu_helpers import patch_route
 
-    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
 
 
 @pytest.fixture(params=["eager", "custom_op"])
 def kernel_path(request, monkeypatch):
     """The CUDA route on CPU tensors, through the eager Functions or the custom ops."""
-    from cupynorm.torch import functional as cnf
+    from torch_cpu_helpers import patch_route
 
-    monkeypatch.setattr(cnf, "_use_kernels", lambda x: True)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
     if request.param == "custom_op":
-        monkeypatch.setattr(cnf, "_traced", lambda x: True)
+        patch_route(monkeypatch.setattr, "_traced", lambda x: True)
     return request.param

@@ -16,7 +16,7 @@ from torch import nn
 
 import cupynorm.torch as cnt
 from cupynorm.errors import InvalidInputError
-from cupynorm.torch import _kernels, _library
+from cupynorm.torch import _channel_norm
 
 PAIRS = [(cnt.LayerNorm2d, nn.LayerNorm), (cnt.RMSNorm2d, nn.RMSNorm)]
 
@@ -104,7 +104,7 @@ def _op_samples():
     def r(*shape):
         return torch.randn(shape, generator=g, dtype=torch.float64)
 
-    fwd, bwd = _library.channel_norm_fwd_op, _library.channel_norm_bwd_op
+    fwd, bwd = _channel_norm.channel_norm_fwd_op, _channel_norm.channel_norm_bwd_op
     x = r(2, 5, 3, 4)
     return [
         ("ln", fwd, (x, r(5), r(5), 1e-5, False)),
@@ -126,7 +126,7 @@ def test_gradcheck_op():
     x = torch.randn(2, 4, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
     b = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
-    op = _library.channel_norm_fwd_op
+    op = _channel_norm.channel_norm_fwd_op
     assert torch.autograd.gradcheck(lambda x, w, b: op(x, w, b, 1e-5, False)[0], (x, w, b))
     assert torch.autograd.gradcheck(lambda x, w: op(x, w, None, 1e-5, True)[0], (x, w))
 
@@ -137,9 +137,11 @@ def test_fake_kernels_match_the_reference_kernels():
     for fmt in (torch.contiguous_format, torch.channels_last):
         x = torch.randn(2, 5, 3, 4).to(torch.bfloat16).contiguous(memory_format=fmt)
         for rms in (False, True):
-            real = _kernels._channel_norm_fwd_reference(x, None, None, 1e-5, rms)
+            real = _channel_norm._channel_norm_fwd_reference(x, None, None, 1e-5, rms)
             with FakeTensorMode() as mode:
-                fake = _kernels._channel_norm_fwd_fake(mode.from_tensor(x), None, None, 1e-5, rms)
+                fake = _channel_norm._channel_norm_fwd_fake(
+                    mode.from_tensor(x), None, None, 1e-5, rms
+                )
             for r, f in zip(real, fake, strict=True):
                 assert (r is None) == (f is None)
                 if r is not None:

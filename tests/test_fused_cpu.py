@@ -16,7 +16,7 @@ from torch import nn
 
 import cupynorm.torch as cnt
 from cupynorm import InvalidInputError, InvalidTypeError
-from cupynorm.torch import _kernels
+from cupynorm.torch import _batch_norm_kernels
 
 ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
 
@@ -67,15 +67,15 @@ def test_batch_norm_act_fake_kernels_match_real():
     rm, rv = torch.zeros(6), torch.ones(6)
     for act in ACTS:
         args = (x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5, z, act)
-        real = _kernels._batch_norm_fwd(*args)
-        fake = _kernels._batch_norm_fwd_fake(*args)
+        real = _batch_norm_kernels._batch_norm_fwd(*args)
+        fake = _batch_norm_kernels._batch_norm_fwd_fake(*args)
         for r, f in zip(real, fake[:3], strict=True):
             assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
         _y, mean, rstd = real
         for mask in ([True, True, True, True], [False, False, False, True], [True] * 3 + [False]):
             bwd = (torch.randn_like(x), x, mean, rstd, w, True, mask, z, b, act)
-            grads = _kernels._batch_norm_act_bwd(*bwd)
-            for r, f in zip(grads, _kernels._batch_norm_act_bwd_fake(*bwd), strict=True):
+            grads = _batch_norm_kernels._batch_norm_act_bwd(*bwd)
+            for r, f in zip(grads, _batch_norm_kernels._batch_norm_act_bwd_fake(*bwd), strict=True):
                 assert (r is None) == (f is None)
                 if r is not None:
                     assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
@@ -289,16 +289,17 @@ def test_fuse_batch_norm_act_subclass_runs_the_fused_op(kernels, monkeypatch, ac
     """A BatchNorm2d-act subclass replace_norms adopts with its tail: on the fused op when its
     act is a ReLU/SiLU module and its drop an Identity; otherwise its own tail after the norm.
     Trains as the subclass itself does (outputs, gradients, running statistics, batch count)."""
-    from cupynorm.torch import modules
+    from cupynorm.torch import _module_forward
 
     calls = []
-    real = modules._batch_norm_act
+    real = _module_forward._batch_norm_route
 
-    def spy(*args, **kwargs):
-        calls.append(args[-1])
-        return real(*args, **kwargs)
+    def spy(fn, *args, **kwargs):
+        if fn == "batch_norm_act":  # the fused op's route (its last argument: the activation)
+            calls.append(args[-1])
+        return real(fn, *args, **kwargs)
 
-    monkeypatch.setattr(modules, "_batch_norm_act", spy)
+    monkeypatch.setattr(_module_forward, "_batch_norm_route", spy)
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Conv2d(4, 6, 1), _BatchNormTail(6, act, drop)).double()
     report: list[str] = []

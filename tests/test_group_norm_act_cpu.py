@@ -21,7 +21,7 @@ from torch import nn
 import cupynorm
 import cupynorm.torch as cnt
 from cupynorm import InvalidInputError, _ops
-from cupynorm.torch import _kernels
+from cupynorm.torch import _group_norm
 
 ACTS = {"identity": lambda t: t, "relu": F.relu, "silu": F.silu}
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
@@ -90,15 +90,15 @@ def test_group_norm_act_fake_kernels_match_real():
         w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
         for act in ACTS:
             args = (x, 3, w, b, 1e-5, act)
-            real = _kernels._group_norm_act_fwd(*args)
-            fake = _kernels._group_norm_act_fwd_fake(*args)
+            real = _group_norm._group_norm_act_fwd(*args)
+            fake = _group_norm._group_norm_act_fwd_fake(*args)
             for r, f in zip(real, fake, strict=True):
                 assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
             _y, mean, rstd = real
             for mask in ([True, True, True], [True, False, False], [False, True, True]):
                 bwd = (torch.randn_like(x), x, mean, rstd, w, b, 3, mask, act)
-                grads = _kernels._group_norm_act_bwd(*bwd)
-                for r, f in zip(grads, _kernels._group_norm_act_bwd_fake(*bwd), strict=True):
+                grads = _group_norm._group_norm_act_bwd(*bwd)
+                for r, f in zip(grads, _group_norm._group_norm_act_bwd_fake(*bwd), strict=True):
                     assert (r is None) == (f is None)
                     if r is not None:
                         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
@@ -356,20 +356,19 @@ def test_group_norm_act_shift_gradcheck(kernels):
 
 
 def test_group_norm_act_shift_fake_kernels_and_opcheck():
-    from cupynorm.torch import _library
 
     g = torch.Generator().manual_seed(10)
     x = _input((3, 6, 5, 7), "channels_last", torch.float32, g).requires_grad_()
     w, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
     shift = torch.randn(3, 6, generator=g)
-    real = _kernels._group_norm_act_fwd(x, 3, w, b, 1e-5, "silu", shift)
-    fake = _kernels._group_norm_act_fwd_fake(x, 3, w, b, 1e-5, "silu", shift)
+    real = _group_norm._group_norm_act_fwd(x, 3, w, b, 1e-5, "silu", shift)
+    fake = _group_norm._group_norm_act_fwd_fake(x, 3, w, b, 1e-5, "silu", shift)
     for r, f in zip(real, fake, strict=True):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
-    torch.library.opcheck(_library.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, "silu", shift))
+    torch.library.opcheck(_group_norm.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, "silu", shift))
     shift_leaf = shift.clone().requires_grad_()
     torch.library.opcheck(
-        _library.group_norm_act_fwd_op, (x.detach(), 3, None, None, 1e-5, "relu", shift_leaf)
+        _group_norm.group_norm_act_fwd_op, (x.detach(), 3, None, None, 1e-5, "relu", shift_leaf)
     )
 
 
@@ -482,13 +481,13 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
     eager Functions and the custom ops (traced) alike. The full path, then a replay."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
     read = []
-    reference = _kernels._group_norm_fwd_reference
+    reference = _group_norm._group_norm_fwd_reference
 
     def spy(x, *args, **kwargs):
         read.append(x.dtype)
         return reference(x, *args, **kwargs)
 
-    monkeypatch.setattr(_kernels, "_group_norm_fwd_reference", spy)
+    monkeypatch.setattr(_group_norm, "_group_norm_fwd_reference", spy)
     g = torch.Generator().manual_seed(11)
     x = (torch.randn(3, 8, 5, 7, generator=g) * 2 + 1).to(dtype).requires_grad_()
     s = (torch.randn(3, 8, generator=g).to(dtype).requires_grad_(),) if shift else ()
@@ -581,19 +580,18 @@ def test_float32_output_ops_fake_kernels_and_opcheck(act):
     """The custom ops with out_float32 (what a traced call under autocast runs): the fake
     kernels give the real outputs' metadata (a float32 y beside bf16 x) and torch's opcheck
     passes, gradients included."""
-    from cupynorm.torch import _library
 
     g = torch.Generator().manual_seed(12)
     x = _input((3, 6, 5, 7), "channels_last", torch.bfloat16, g).requires_grad_()
     w, b = (torch.randn(6, generator=g).requires_grad_() for _ in range(2))
     if act is None:
-        op, args = _library.group_norm_fwd_op, (x, 3, w, b, 1e-5, True)
-        real = _kernels._group_norm_fwd(x, 3, w, b, 1e-5, True)
-        fake = _kernels._group_norm_fwd_fake(*args)
+        op, args = _group_norm.group_norm_fwd_op, (x, 3, w, b, 1e-5, True)
+        real = _group_norm._group_norm_fwd(x, 3, w, b, 1e-5, True)
+        fake = _group_norm._group_norm_fwd_fake(*args)
     else:
-        op, args = _library.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, act, None, True)
-        real = _kernels._group_norm_act_fwd(*args)
-        fake = _kernels._group_norm_act_fwd_fake(*args)
+        op, args = _group_norm.group_norm_act_fwd_op, (x, 3, w, b, 1e-5, act, None, True)
+        real = _group_norm._group_norm_act_fwd(*args)
+        fake = _group_norm._group_norm_act_fwd_fake(*args)
     assert real[0].dtype == torch.float32
     for r, f in zip(real, fake, strict=True):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())

@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from test_programs_cpu import H200, launches  # noqa: F401 - the fixture
 from torch import nn
+from torch_cpu_helpers import patch_route
 
 import cupynorm.torch as cnt
 from cupynorm import _compile, _ops, _plan, _program
-from cupynorm.torch import _autograd, _kernels, _library, _reference
-from cupynorm.torch import functional as cnf
+from cupynorm.torch import _reference, _row_norm
 
 PAIRS = [(cnt.LayerNorm, nn.LayerNorm), (cnt.RMSNorm, nn.RMSNorm)]
 # (input shape, normalized_shape): one-element rows, odd rows, several normalized dims
@@ -115,7 +115,7 @@ def test_kernel_route_under_autocast_is_the_float32_norm(
     torch's float32 norm of the input (float64 stays float64): y in that dtype, the input's
     gradient in the input's dtype, the parameters' in theirs."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
-    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", True)
+    patch_route(monkeypatch.setattr, "_AUTOCAST_RMS_NORM", True)
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(5, 3, 16, generator=g) * 2 + 1).to(dtype).requires_grad_()
     w, b = (torch.randn(16, generator=g).to(param_dtype).requires_grad_() for _ in range(2))
@@ -176,7 +176,7 @@ def test_rms_norm_under_autocast_is_torchs_call_where_torch_passes_it_through(ke
     """With a torch whose autocast has no rms_norm kernel, rms_norm and rms_norm2d under autocast
     are torch's own calls (its dtype rules then), the kernels' route untouched."""
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda *args: True)
-    monkeypatch.setattr(cnf, "_AUTOCAST_RMS_NORM", False)
+    patch_route(monkeypatch.setattr, "_AUTOCAST_RMS_NORM", False)
     calls = []
     rms_norm = F.rms_norm
 
@@ -270,7 +270,7 @@ def _op_samples():
     def r(*shape, dtype=torch.float32, grad=False):
         return torch.randn(shape, generator=g, dtype=dtype).requires_grad_(grad)
 
-    fwd, bwd = _library.row_norm_fwd_op, _library.row_norm_bwd_op
+    fwd, bwd = _row_norm.row_norm_fwd_op, _row_norm.row_norm_bwd_op
     x, res = r(3, 5, 7, grad=True), r(3, 5, 7, grad=True)
     w, b = r(7, grad=True), r(7, grad=True)
     return [
@@ -311,11 +311,11 @@ def test_gradcheck_ops_and_functions():
         inputs = (x, res, w) if rms else (x, res, w, b)
 
         def via_op(x, res, w, *rest, rms=rms):
-            out = _library.row_norm_fwd_op(x, res, w, rest[0] if rest else None, 1, 1e-5, rms)
+            out = _row_norm.row_norm_fwd_op(x, res, w, rest[0] if rest else None, 1, 1e-5, rms)
             return out[0], out[1]
 
         def via_fn(x, res, w, *rest, rms=rms):
-            out = _autograd._RowNormFunction.apply(
+            out = _row_norm._RowNormFunction.apply(
                 x, res, w, rest[0] if rest else None, 1, 1e-5, rms
             )
             return out[0], out[1]
@@ -323,7 +323,7 @@ def test_gradcheck_ops_and_functions():
         assert torch.autograd.gradcheck(via_op, inputs), rms
         assert torch.autograd.gradcheck(via_fn, inputs), rms
         assert torch.autograd.gradcheck(
-            lambda x, w, rms=rms, bias=bias: _library.row_norm_fwd_op(
+            lambda x, w, rms=rms, bias=bias: _row_norm.row_norm_fwd_op(
                 x, None, w, bias, 1, 1e-5, rms
             )[0],
             (x, w),
@@ -345,11 +345,11 @@ def test_fake_kernels_match_the_reference_kernels():
             w = torch.randn(x.shape[x.dim() - ndim :], generator=g)
             args = (x, residual, w, None, ndim, 1e-5, rms)
             real = _reference._row_norm_fwd_reference(*args)
-            _same_meta(real, _kernels._row_norm_fwd_fake(*args))
+            _same_meta(real, _row_norm._row_norm_fwd_fake(*args))
             for mask in ([True, True, True], [False, True, False], [True, False, False]):
                 bargs = (torch.randn_like(x), residual, x, real[2], real[3], w, ndim, mask)
                 _same_meta(
-                    _reference._row_norm_bwd_reference(*bargs), _kernels._row_norm_bwd_fake(*bargs)
+                    _reference._row_norm_bwd_reference(*bargs), _row_norm._row_norm_bwd_fake(*bargs)
                 )
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_programs_cpu import launches  # noqa: F401 - the fixture
 from torch import nn
+from torch_cpu_helpers import patch_route
 
 import cupynorm.torch as cnt
 from cupynorm import _ops
-from cupynorm.torch import functional as cnf
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
@@ -285,7 +285,7 @@ def test_compile_fullgraph_matches_eager(kernels):
 
 def test_functional_routes_to_torch_off_the_kernels(monkeypatch):
     """Without the kernels (CPU tensors), llama_rms_norm is transformers' formula itself."""
-    monkeypatch.setattr(cnf, "_use_kernels", lambda x: False)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: False)
     layer = _hf_layer(modeling_llama.LlamaRMSNorm, 16, torch.bfloat16)
     x = torch.randn(5, 16).bfloat16()
     assert torch.equal(cnt.llama_rms_norm(x, layer.weight, 1e-5), layer(x))

@@ -755,24 +755,38 @@ def route_eager_to_host_code(setattr=setattr) -> None:
     """Send the modules' eager path on CPU tensors through the CUDA host code (the Functions'
     kernels, the no-grad calls' kernels); ``setattr``: monkeypatch's, or the plain one (the
     development scripts)."""
-    from cupynorm.torch import _autograd, _kernels, functional
+    from torch_cpu_helpers import patch_route
 
-    setattr(functional, "_use_kernels", lambda x: True)
-    setattr(_autograd, "_batch_norm_fwd_program", _kernels._batch_norm_fwd_cuda_program)
-    setattr(_autograd, "_batch_norm_bwd", _kernels._batch_norm_bwd_cuda)
-    setattr(_autograd, "_batch_norm_act_bwd", _kernels._batch_norm_act_bwd_cuda)
-    for name in ("group_norm", "group_norm_act", "row_norm", "channel_norm"):  # full Functions
-        setattr(_autograd, f"_{name}_fwd", getattr(_kernels, f"_{name}_fwd_cuda"))
+    from cupynorm.torch import (
+        _batch_norm,
+        _batch_norm_kernels,
+        _channel_norm,
+        _group_norm,
+        _row_norm,
+    )
+
+    patch_route(setattr, "_use_kernels", lambda x: True)
+    bn_kernels = _batch_norm_kernels
+    setattr(_batch_norm, "_batch_norm_fwd_program", bn_kernels._batch_norm_fwd_cuda_program)
+    setattr(_batch_norm, "_batch_norm_bwd", bn_kernels._batch_norm_bwd_cuda)
+    setattr(_batch_norm, "_batch_norm_act_bwd", bn_kernels._batch_norm_act_bwd_cuda)
+    for family, name in (  # the full Functions, each in its family's module with its kernels
+        (_group_norm, "group_norm"),
+        (_group_norm, "group_norm_act"),
+        (_row_norm, "row_norm"),
+        (_channel_norm, "channel_norm"),
+    ):
+        setattr(family, f"_{name}_fwd", getattr(family, f"_{name}_fwd_cuda"))
         # the backwards pick the CPU's kernel by device (some inside closures made at import)
-        setattr(_kernels, f"_{name}_bwd_reference", getattr(_kernels, f"_{name}_bwd_cuda"))
+        setattr(family, f"_{name}_bwd_reference", getattr(family, f"_{name}_bwd_cuda"))
 
     def output(fwd, pick):  # the no-grad calls' kernels
         return lambda *args: fwd(*args, want_stats=False)[pick]
 
-    setattr(functional, "_group_norm_output", output(_kernels._group_norm_fwd_cuda, 0))
-    setattr(functional, "_group_norm_act_output", output(_kernels._group_norm_act_fwd_cuda, 0))
-    setattr(functional, "_row_norm_output", output(_kernels._row_norm_fwd_cuda, slice(0, 2)))
-    setattr(functional, "_channel_norm_output", output(_kernels._channel_norm_fwd_cuda, 0))
+    setattr(_group_norm, "_group_norm_output", output(_group_norm._group_norm_fwd_cuda, 0))
+    setattr(_group_norm, "_group_norm_act_output", output(_group_norm._group_norm_act_fwd_cuda, 0))
+    setattr(_row_norm, "_row_norm_output", output(_row_norm._row_norm_fwd_cuda, slice(0, 2)))
+    setattr(_channel_norm, "_channel_norm_output", output(_channel_norm._channel_norm_fwd_cuda, 0))
 
 
 @pytest.fixture

@@ -59,7 +59,7 @@ def test_steps_around_the_collectives_match_float64_and_the_torch_operations(
     the rows against float64 statistics, the rest against the same steps in torch operations
     (the CPU path) on the same values."""
     from cupynorm.torch import sync_batchnorm as sbn
-    from cupynorm.torch._kernels import _host
+    from cupynorm.torch._tensors import _host
 
     sizes, c, eps, momentum = (3, 0, 5), 7, 1e-5, 0.1
     fmt = torch.channels_last if channels_last else torch.contiguous_format

@@ -40,7 +40,15 @@ from torch_cpu_helpers import (
 )
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _kernels, _library, _reference
+from cupynorm.torch import (
+    _batch_norm,
+    _batch_norm_kernels,
+    _group_norm,
+    _instance_norm,
+    _reference,
+    _row_norm_add_mul,
+    _tensors,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,9 +438,9 @@ def _op_samples():
     w3, b3 = r(3, dtype=torch.float64, grad=True), r(3, dtype=torch.float64, grad=True)
     rm, rv = torch.zeros(6), torch.ones(6)
     rm3, rv3 = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
-    gn = _library.group_norm_fwd_op
-    inorm = _library.instance_norm_fwd_op
-    bn = _library.batch_norm_fwd_op
+    gn = _group_norm.group_norm_fwd_op
+    inorm = _instance_norm.instance_norm_fwd_op
+    bn = _batch_norm.batch_norm_fwd_op
     return [
         ("gn", gn, (x4, 3, w, b, 1e-5)),
         ("gn_cl", gn, (xcl, 2, None, b, 1e-5)),
@@ -451,22 +459,22 @@ def _op_samples():
         ("bn_bf16", bn, (r(4, 6, 3).bfloat16(), None, None, rm, rv, True, 0.1, 1e-5)),
         (
             "row",
-            _library.row_norm_add_mul_fwd_op,
+            _row_norm_add_mul.row_norm_add_mul_fwd_op,
             (r(3, 5, 7, grad=True), r(3, 5, 7, grad=True), 1e-5),
         ),
         (
             "gn_bwd",
-            _library.group_norm_bwd_op,
+            _group_norm.group_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(3, 3), r(3, 3).abs(), r(6), 3, [True, False, True]),
         ),
         (
             "bn_bwd",
-            _library.batch_norm_bwd_op,
+            _batch_norm.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs(), None, True, [True, False, False]),
         ),
         (
             "row_bwd",
-            _library.row_norm_add_mul_bwd_op,
+            _row_norm_add_mul.row_norm_add_mul_bwd_op,
             (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs()),
         ),
     ]
@@ -490,27 +498,29 @@ def test_gradcheck_reference_ops_both_paths():
         return rm.clone(), rv.clone()
 
     funcs = {
-        "gn_op": lambda x, w, b: _library.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
-        "gn_fn": lambda x, w, b: _autograd._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
-        "in_op": lambda x, w, b: _library.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[0],
-        "in_fn": lambda x, w, b: _autograd._InstanceNormFunction.apply(
+        "gn_op": lambda x, w, b: _group_norm.group_norm_fwd_op(x, 3, w, b, 1e-5)[0],
+        "gn_fn": lambda x, w, b: _group_norm._GroupNormFunction.apply(x, 3, w, b, 1e-5)[0],
+        "in_op": lambda x, w, b: _instance_norm.instance_norm_fwd_op(x, w, b, *stats(), 0.1, 1e-5)[
+            0
+        ],
+        "in_fn": lambda x, w, b: _instance_norm._InstanceNormFunction.apply(
             x, w, b, *stats(), 0.1, 1e-5
         )[0],
     }
     for training in (True, False):
-        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _library.batch_norm_fwd_op(
+        funcs[f"bn_op_{training}"] = lambda x, w, b, t=training: _batch_norm.batch_norm_fwd_op(
             x, w, b, *stats(), t, 0.1, 1e-5
         )[0]
-        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: _autograd._BatchNormFunction.apply(
-            x, w, b, *stats(), t, 0.1, 1e-5
-        )[0]
+        funcs[f"bn_fn_{training}"] = lambda x, w, b, t=training: (
+            _batch_norm._BatchNormFunction.apply(x, w, b, *stats(), t, 0.1, 1e-5)[0]
+        )
     for name, f in funcs.items():
         assert torch.autograd.gradcheck(f, (x, w, b)), name
     assert torch.autograd.gradcheck(
-        lambda x, y: _library.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _row_norm_add_mul.row_norm_add_mul_fwd_op(x, y, 1e-5)[0], (x, y)
     )
     assert torch.autograd.gradcheck(
-        lambda x, y: _autograd._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
+        lambda x, y: _row_norm_add_mul._RowNormAddMulFunction.apply(x, y, 1e-5)[0], (x, y)
     )
 
 
@@ -541,18 +551,18 @@ def test_fake_cuda_tensors_shapes_and_layouts():
         )
         assert y.shape == (4, 6, 7)
 
-        y, mean, rstd = _library.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
+        y, mean, rstd = _group_norm.group_norm_fwd_op(x.half(), 2, None, None, 1e-5)
         assert mean.shape == rstd.shape == (4, 2) and mean.dtype == torch.float32
-        y, mean, rstd = _library.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
+        y, mean, rstd = _group_norm.group_norm_fwd_op(x.double(), 2, None, None, 1e-5)
         assert mean.dtype == torch.float64
-        y, mean, rstd, nm, nv = _library.batch_norm_fwd_op(
+        y, mean, rstd, nm, nv = _batch_norm.batch_norm_fwd_op(
             xcl.half(), None, None, None, None, True, 0.1, 1e-5
         )
         assert mean.shape == (6,) and mean.dtype == torch.float32 and nm is None and nv is None
         assert y.stride() == xcl.stride()
         odd = torch.empty(4, 5, 6, 7, device="cuda").transpose(2, 3)  # neither layout
         assert cnt.group_norm(odd, 5).is_contiguous()
-        out, mean, rstd = _library.row_norm_add_mul_fwd_op(x, x, 1e-5)
+        out, mean, rstd = _row_norm_add_mul.row_norm_add_mul_fwd_op(x, x, 1e-5)
         assert mean.shape == (4, 6, 5)
 
 
@@ -648,43 +658,47 @@ def _same_meta(real, fake, what):
 
 
 def test_cuda_glue_adapts_host_outputs_to_the_fake_contract(monkeypatch):
-    monkeypatch.setattr(_kernels, "_host_module", _LooseHost)
+    monkeypatch.setattr(_tensors, "_host_module", _LooseHost)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(3, 6, 5, 7, generator=g).to(memory_format=torch.channels_last)
     odd = torch.randn(3, 6, 7, 5, generator=g).transpose(2, 3)
     w, b = torch.randn(6, generator=g), torch.randn(12, generator=g)[::2]  # b: strided
     for inp in (x, odd, x.half()):
         ww = w.to(inp.dtype)
-        real = _kernels._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
-        _same_meta(real, _kernels._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
+        real = _group_norm._group_norm_fwd_cuda(inp, 3, ww, None, 1e-5)
+        _same_meta(real, _group_norm._group_norm_fwd_fake(inp, 3, ww, None, 1e-5), "gn fwd")
         dy = torch.ones(()).expand(inp.shape)  # stride 0
         for mask in ([True, True, True], [True, False, False], [False, True, False]):
             for weight in (ww, None):
                 args = (dy, inp, real[1], real[2], weight, 3, mask)
                 _same_meta(
-                    _kernels._group_norm_bwd_cuda(*args),
-                    _kernels._norm_bwd_fake(*args),
+                    _group_norm._group_norm_bwd_cuda(*args),
+                    _tensors._norm_bwd_fake(*args),
                     f"gn bwd {mask}",
                 )
     rm, rv = torch.zeros(12)[::2], torch.ones(6)  # rm: strided, updated through a copy
     expected_rm = rm.clone()
-    real = _kernels._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
+    real = _batch_norm_kernels._batch_norm_fwd_cuda(x, w, b, rm, rv, True, 0.1, 1e-5)
     _reference._batch_norm_fwd_reference(x, w, b, expected_rm, torch.ones(6), True, 0.1, 1e-5)
     torch.testing.assert_close(rm, expected_rm)
-    _same_meta(real, _kernels._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn")
+    _same_meta(
+        real, _batch_norm_kernels._batch_norm_fwd_fake(x, w, b, rm, rv, True, 0.1, 1e-5)[:3], "bn"
+    )
     running_mean = torch.randn(6)
-    op_kernel = _kernels._batch_norm_fwd_op_kernel(_kernels._batch_norm_fwd_cuda)
+    op_kernel = _batch_norm_kernels._batch_norm_fwd_op_kernel(
+        _batch_norm_kernels._batch_norm_fwd_cuda
+    )
     y, save_mean, _, new_mean, new_var = op_kernel(x, w, b, running_mean, rv, False, 0.1, 1e-5)
     assert save_mean.data_ptr() != running_mean.data_ptr()  # no op output aliases an input
     assert new_mean is None and new_var is None
     torch.testing.assert_close(save_mean, running_mean)
     xr, yr = torch.randn(2, 3, 7, generator=g), torch.randn(2, 3, 7, generator=g)
-    real = _kernels._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
-    _same_meta(real, _kernels._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
+    real = _row_norm_add_mul._row_norm_add_mul_fwd_cuda(xr, yr, 1e-5)
+    _same_meta(real, _row_norm_add_mul._row_norm_add_mul_fwd_fake(xr, yr, 1e-5), "row fwd")
     args = (torch.randn(2, 3, 7, generator=g), xr, yr, real[1], real[2])
     _same_meta(
-        _kernels._row_norm_add_mul_bwd_cuda(*args),
-        _kernels._row_norm_add_mul_bwd_fake(*args),
+        _row_norm_add_mul._row_norm_add_mul_bwd_cuda(*args),
+        _row_norm_add_mul._row_norm_add_mul_bwd_fake(*args),
         "row bwd",
     )
 

@@ -22,7 +22,7 @@ from small_cnn import SmallCNN
 from torch import nn
 
 import cupynorm.torch as cnt
-from cupynorm.torch import _autograd, _library
+from cupynorm.torch import _batch_norm, _group_norm, _instance_norm, _row_norm_add_mul
 
 pytestmark = [
     pytest.mark.gpu,
@@ -314,10 +314,16 @@ def test_gradcheck_float64(path):
     def stats():
         return rm.clone(), rv.clone()
 
-    gn = _library.group_norm_fwd_op if op else _autograd._GroupNormFunction.apply
-    inorm = _library.instance_norm_fwd_op if op else _autograd._InstanceNormFunction.apply
-    bn = _library.batch_norm_fwd_op if op else _autograd._BatchNormFunction.apply
-    row = _library.row_norm_add_mul_fwd_op if op else _autograd._RowNormAddMulFunction.apply
+    gn = _group_norm.group_norm_fwd_op if op else _group_norm._GroupNormFunction.apply
+    inorm = (
+        _instance_norm.instance_norm_fwd_op if op else _instance_norm._InstanceNormFunction.apply
+    )
+    bn = _batch_norm.batch_norm_fwd_op if op else _batch_norm._BatchNormFunction.apply
+    row = (
+        _row_norm_add_mul.row_norm_add_mul_fwd_op
+        if op
+        else _row_norm_add_mul._RowNormAddMulFunction.apply
+    )
     checks = {
         "group_norm": (lambda x, w, b: gn(x, 3, w, b, 1e-5)[0], (x, w, b)),
         "group_norm_cl": (lambda x, w, b: gn(x, 2, w, b, 1e-5)[0], (xcl, w, b)),
@@ -347,9 +353,9 @@ def test_eager_function_and_custom_op_agree_bitwise():
     w = torch.randn(6, device=DEVICE, dtype=torch.float16, requires_grad=True)
     results = []
     for fn in (
-        _library.group_norm_fwd_op,
-        _autograd._GroupNormFunction.apply,
-        _library.group_norm_fwd_op,
+        _group_norm.group_norm_fwd_op,
+        _group_norm._GroupNormFunction.apply,
+        _group_norm.group_norm_fwd_op,
     ):
         xg = x.detach().clone().requires_grad_()
         y = fn(xg, 3, w, None, 1e-5)[0]
@@ -375,45 +381,53 @@ def _op_samples() -> dict:
     w, b = r(6, grad=True), r(6, grad=True)
     rm, rv = r(6), r(6).abs() + 0.5
     samples = [
-        ("gn", _library.group_norm_fwd_op, (x, 3, w, b, 1e-5)),
+        ("gn", _group_norm.group_norm_fwd_op, (x, 3, w, b, 1e-5)),
         (
             "gn_cl_half",
-            _library.group_norm_fwd_op,
+            _group_norm.group_norm_fwd_op,
             (xcl.detach().half().requires_grad_(), 2, None, None, 1e-5),
         ),
         (
             "gn_f32_weight_bf16_x",
-            _library.group_norm_fwd_op,
+            _group_norm.group_norm_fwd_op,
             (x.detach().bfloat16().requires_grad_(), 3, w, b, 1e-5),
         ),
         (
             "gn_act_shift_cl",
-            _library.group_norm_act_fwd_op,
+            _group_norm.group_norm_act_fwd_op,
             (xcl, 3, w, b, 1e-5, "silu", r(3, 6, grad=True)),
         ),
-        ("in", _library.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
-        ("bn_train", _library.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
+        ("in", _instance_norm.instance_norm_fwd_op, (xcl, w, b, rm, rv, 0.1, 1e-5)),
+        ("bn_train", _batch_norm.batch_norm_fwd_op, (xcl, w, b, rm, rv, True, 0.1, 1e-5)),
         (
             "bn_train_no_stats",
-            _library.batch_norm_fwd_op,
+            _batch_norm.batch_norm_fwd_op,
             (x, None, b, None, None, True, 0.1, 1e-5),
         ),
-        ("bn_eval", _library.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
-        ("bn_2d", _library.batch_norm_fwd_op, (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5)),
-        ("row", _library.row_norm_add_mul_fwd_op, (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5)),
+        ("bn_eval", _batch_norm.batch_norm_fwd_op, (x, w, b, rm, rv, False, 0.1, 1e-5)),
+        (
+            "bn_2d",
+            _batch_norm.batch_norm_fwd_op,
+            (r(9, 6, grad=True), w, b, rm, rv, True, 0.1, 1e-5),
+        ),
+        (
+            "row",
+            _row_norm_add_mul.row_norm_add_mul_fwd_op,
+            (r(5, 33, grad=True), r(5, 33, grad=True), 1e-5),
+        ),
         (
             "gn_bwd",
-            _library.group_norm_bwd_op,
+            _group_norm.group_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(3, 3), r(3, 3).abs() + 0.5, r(6), 3, [True, True, True]),
         ),
         (
             "bn_bwd",
-            _library.batch_norm_bwd_op,
+            _batch_norm.batch_norm_bwd_op,
             (r(3, 6, 7), r(3, 6, 7), r(6), r(6).abs() + 0.5, None, True, [True, False, False]),
         ),
         (
             "row_bwd",
-            _library.row_norm_add_mul_bwd_op,
+            _row_norm_add_mul.row_norm_add_mul_bwd_op,
             (r(3, 7), r(3, 7), r(3, 7), r(3), r(3).abs() + 0.5),
         ),
     ]
@@ -788,9 +802,9 @@ def test_functional_op_writes_the_new_running_statistics(
     old = rm.clone(), rv.clone()
     if act:
         z = torch.randn_like(x)
-        outs = _library.batch_norm_act_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
+        outs = _batch_norm.batch_norm_act_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5, z, "relu")
     else:
-        outs = _library.batch_norm_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5)
+        outs = _batch_norm.batch_norm_fwd_op(x, w, b, rm, rv, True, 0.1, 1e-5)
     new_mean, new_var = outs[3], outs[4]
     assert torch.equal(rm, old[0]) and torch.equal(rv, old[1])  # the inputs are not mutated
     assert new_mean.data_ptr() not in (rm.data_ptr(), rv.data_ptr())

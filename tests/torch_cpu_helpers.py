@@ -115,3 +115,18 @@ def _inputs(shape, n=3, dtype=torch.float32, seed=1, channels_last=False):
         fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
         xs = [x.to(memory_format=fmt) for x in xs]
     return xs
+
+
+def patch_route(setattr, name: str, value) -> None:
+    """Set a routing name of ``cupynorm.torch._route`` (``_use_kernels``, ``_traced``,
+    ``_AUTOCAST_RMS_NORM``) to ``value`` in every module of ``cupynorm.torch`` that looks it
+    up: ``_route`` itself and each family module that imports it (a module patched alone would
+    leave the others on the real routing). ``setattr``: monkeypatch's, or the plain one."""
+    import sys
+
+    from cupynorm.torch import _route
+
+    current = getattr(_route, name)
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("cupynorm.torch.") and getattr(module, name, None) is current:
+            setattr(module, name, value)

@@ -1,35 +1,15 @@
-"""The cupynorm custom ops (``torch.ops.cupynorm.*``): schemas, kernels per device, fake kernels
-and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them in the graph::
+"""The library of the cupynorm custom ops (``torch.ops.cupynorm.*``) and the two calls every family
+registers its ops with: schema, a kernel per device and a fake kernel (:func:`define`), then the
+forward op's autograd (:func:`register_autograd`), so ``torch.compile(fullgraph=True)`` keeps
+them in the graph. Each op is defined in its family's module, with its schema in that module's
+docstring::
 
-    group_norm_fwd(x, num_groups, weight?, bias?, eps, out_float32=False) -> (y, mean, rstd)
-        # out_float32: y in float32 beside a half-precision x (autocast's float32 norm)
-    group_norm_bwd(dy, x, mean, rstd, weight?, num_groups, output_mask)
-        -> (dx?, dweight?, dbias?)
-    group_norm_act_fwd(x, num_groups, weight?, bias?, eps, act, shift?=None, out_float32=False)
-        -> (y, mean, rstd)
-        # y = act(group_norm(x + shift[n, c]))
-    group_norm_act_bwd(dy, x, mean, rstd, weight?, bias?, num_groups, output_mask, act,
-                       shift?=None) -> (dx?, dweight?, dbias?)
-    instance_norm_fwd(x, weight?, bias?, running_mean, running_var, momentum, eps)
-        -> (y, mean, rstd, new_running_mean, new_running_var)   # group norm with G = C
-    batch_norm_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps)
-        -> (y, save_mean, save_rstd, new_running_mean?, new_running_var?)
-    batch_norm_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask)
-        -> (dx?, dweight?, dbias?)
-    batch_norm_act_fwd(x, weight?, bias?, running_mean?, running_var?, training, momentum, eps,
-                       residual?, act) -> as batch_norm_fwd         # y = act(norm(x) + residual)
-    batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight?, training, output_mask, residual?,
-                       bias?, act) -> (dx?, dweight?, dbias?, dresidual?)
-    row_norm_add_mul_fwd(x, y, eps) -> (out, mean, rstd)
-    row_norm_add_mul_bwd(dout, x, y, mean, rstd) -> (dx, dy)
-    row_norm_fwd(x, residual?, weight?, bias?, ndim, eps, rms, cast=False, out_float32=False)
-        -> (y, sum?, mean?, rstd)   # LayerNorm / RMSNorm (mean None) over the last ndim dims
-                                    # cast: LlamaRMSNorm's rounding of xhat before the weight
-    row_norm_bwd(dy, dsum?, x, mean?, rstd, weight?, ndim, output_mask, cast=False)
-        -> (dx?, dweight?, dbias?)  # x: the normalized rows (the sum with a residual)
-    channel_norm_fwd(x, weight?, bias?, eps, rms, out_float32=False)
-        -> (y, mean?, rstd)          # LayerNorm / RMSNorm over dim 1, stats (N, *spatial)
-    channel_norm_bwd(dy, x, mean?, rstd, weight?, output_mask) -> (dx?, dweight?, dbias?)
+    group_norm_fwd, group_norm_bwd, group_norm_act_fwd, group_norm_act_bwd    _group_norm
+    instance_norm_fwd (its backward: group_norm_bwd)                          _instance_norm
+    batch_norm_fwd, batch_norm_bwd, batch_norm_act_fwd, batch_norm_act_bwd    _batch_norm
+    row_norm_fwd, row_norm_bwd (LayerNorm / RMSNorm, Llama's with cast)       _row_norm
+    row_norm_add_mul_fwd, row_norm_add_mul_bwd                                _row_norm_add_mul
+    channel_norm_fwd, channel_norm_bwd                                        _channel_norm
 
 Running statistics: ``torch.library`` refuses ``register_autograd`` on an op that mutates an
 input ("Cannot register autograd formula for non-functional operator"), so the forward ops with
@@ -44,250 +24,21 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import (
-    _batch_norm_act_setup,
-    _batch_norm_setup,
-    _channel_norm_setup,
-    _group_norm_act_setup,
-    _group_norm_setup,
-    _instance_norm_setup,
-    _make_batch_norm_act_backward,
-    _make_batch_norm_backward,
-    _make_channel_norm_backward,
-    _make_group_norm_act_backward,
-    _make_group_norm_backward,
-    _make_row_norm_add_mul_backward,
-    _make_row_norm_backward,
-    _row_norm_add_mul_setup,
-    _row_norm_setup,
-)
-from ._kernels import (
-    _batch_norm_act_bwd_cuda,
-    _batch_norm_act_bwd_fake,
-    _batch_norm_act_bwd_op_kernel,
-    _batch_norm_bwd_cuda,
-    _batch_norm_fwd_cuda,
-    _batch_norm_fwd_fake,
-    _batch_norm_fwd_op_kernel,
-    _channel_norm_bwd_cuda,
-    _channel_norm_bwd_fake,
-    _channel_norm_fwd_cuda,
-    _channel_norm_fwd_fake,
-    _group_norm_act_bwd_cuda,
-    _group_norm_act_bwd_fake,
-    _group_norm_act_fwd_cuda,
-    _group_norm_act_fwd_fake,
-    _group_norm_act_fwd_reference_op,
-    _group_norm_bwd_cuda,
-    _group_norm_fwd_cuda,
-    _group_norm_fwd_fake,
-    _group_norm_fwd_reference_op,
-    _instance_norm_fwd_cuda,
-    _instance_norm_fwd_fake,
-    _instance_norm_fwd_op_kernel,
-    _norm_bwd_fake,
-    _row_norm_add_mul_bwd_cuda,
-    _row_norm_add_mul_bwd_fake,
-    _row_norm_add_mul_fwd_cuda,
-    _row_norm_add_mul_fwd_fake,
-    _row_norm_bwd_cuda,
-    _row_norm_bwd_fake,
-    _row_norm_fwd_cuda,
-    _row_norm_fwd_fake,
-)
-from ._reference import (
-    _batch_norm_act_bwd_reference,
-    _batch_norm_bwd_reference,
-    _batch_norm_fwd_reference,
-    _channel_norm_bwd_reference,
-    _channel_norm_fwd_reference,
-    _group_norm_act_bwd_reference,
-    _group_norm_bwd_reference,
-    _instance_norm_fwd_reference,
-    _row_norm_add_mul_bwd_reference,
-    _row_norm_add_mul_fwd_reference,
-    _row_norm_bwd_reference,
-    _row_norm_fwd_reference,
-)
-
-# ---------------------------------------------------------------------------------------------
-# custom op registration
-# ---------------------------------------------------------------------------------------------
 _lib = torch.library.Library("cupynorm", "FRAGMENT")
 
-_SCHEMAS = {
-    "group_norm_fwd": (
-        "group_norm_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " bool out_float32=False) -> (Tensor, Tensor, Tensor)"
-    ),
-    "group_norm_bwd": (
-        "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
-        " int num_groups, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "group_norm_act_fwd": (
-        "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
-        " str act, Tensor? shift=None, bool out_float32=False) -> (Tensor, Tensor, Tensor)"
-    ),
-    "group_norm_act_bwd": (
-        "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
-        " Tensor? bias, int num_groups, bool[3] output_mask, str act, Tensor? shift=None)"
-        " -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "instance_norm_fwd": (
-        "instance_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor running_mean,"
-        " Tensor running_var, float momentum, float eps)"
-        " -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    ),
-    "batch_norm_fwd": (
-        "batch_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
-        " Tensor? running_var, bool training, float momentum, float eps)"
-        " -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
-    ),
-    "batch_norm_bwd": (
-        "batch_norm_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd, Tensor? weight,"
-        " bool training, bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "batch_norm_act_fwd": (
-        "batch_norm_act_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
-        " Tensor? running_var, bool training, float momentum, float eps, Tensor? residual,"
-        " str act) -> (Tensor, Tensor, Tensor, Tensor?, Tensor?)"
-    ),
-    "batch_norm_act_bwd": (
-        "batch_norm_act_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd,"
-        " Tensor? weight, bool training, bool[4] output_mask, Tensor? residual, Tensor? bias,"
-        " str act) -> (Tensor?, Tensor?, Tensor?, Tensor?)"
-    ),
-    "row_norm_add_mul_fwd": (
-        "row_norm_add_mul_fwd(Tensor x, Tensor y, float eps) -> (Tensor, Tensor, Tensor)"
-    ),
-    "row_norm_add_mul_bwd": (
-        "row_norm_add_mul_bwd(Tensor dout, Tensor x, Tensor y, Tensor mean, Tensor rstd)"
-        " -> (Tensor, Tensor)"
-    ),
-    "row_norm_fwd": (
-        "row_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, int ndim,"
-        " float eps, bool rms, bool cast=False, bool out_float32=False)"
-        " -> (Tensor, Tensor?, Tensor?, Tensor)"
-    ),
-    "row_norm_bwd": (
-        "row_norm_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? mean, Tensor rstd,"
-        " Tensor? weight, int ndim, bool[3] output_mask, bool cast=False)"
-        " -> (Tensor?, Tensor?, Tensor?)"
-    ),
-    "channel_norm_fwd": (
-        "channel_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, float eps, bool rms,"
-        " bool out_float32=False) -> (Tensor, Tensor?, Tensor)"
-    ),
-    "channel_norm_bwd": (
-        "channel_norm_bwd(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor? weight,"
-        " bool[3] output_mask) -> (Tensor?, Tensor?, Tensor?)"
-    ),
-}
 
-# name: (CUDA kernel, CPU kernel, fake kernel)
-_KERNELS = {
-    "group_norm_fwd": (_group_norm_fwd_cuda, _group_norm_fwd_reference_op, _group_norm_fwd_fake),
-    "group_norm_bwd": (_group_norm_bwd_cuda, _group_norm_bwd_reference, _norm_bwd_fake),
-    "group_norm_act_fwd": (
-        _group_norm_act_fwd_cuda,
-        _group_norm_act_fwd_reference_op,
-        _group_norm_act_fwd_fake,
-    ),
-    "group_norm_act_bwd": (
-        _group_norm_act_bwd_cuda,
-        _group_norm_act_bwd_reference,
-        _group_norm_act_bwd_fake,
-    ),
-    "instance_norm_fwd": (
-        _instance_norm_fwd_op_kernel(_instance_norm_fwd_cuda),
-        _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
-        _instance_norm_fwd_fake,
-    ),
-    "batch_norm_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
-        _batch_norm_fwd_fake,
-    ),
-    "batch_norm_bwd": (_batch_norm_bwd_cuda, _batch_norm_bwd_reference, _norm_bwd_fake),
-    "batch_norm_act_fwd": (
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
-        _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
-        _batch_norm_fwd_fake,
-    ),
-    "batch_norm_act_bwd": (
-        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_cuda),
-        _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_reference),
-        _batch_norm_act_bwd_fake,
-    ),
-    "row_norm_add_mul_fwd": (
-        _row_norm_add_mul_fwd_cuda,
-        _row_norm_add_mul_fwd_reference,
-        _row_norm_add_mul_fwd_fake,
-    ),
-    "row_norm_add_mul_bwd": (
-        _row_norm_add_mul_bwd_cuda,
-        _row_norm_add_mul_bwd_reference,
-        _row_norm_add_mul_bwd_fake,
-    ),
-    "row_norm_fwd": (_row_norm_fwd_cuda, _row_norm_fwd_reference, _row_norm_fwd_fake),
-    "row_norm_bwd": (_row_norm_bwd_cuda, _row_norm_bwd_reference, _row_norm_bwd_fake),
-    "channel_norm_fwd": (
-        _channel_norm_fwd_cuda,
-        _channel_norm_fwd_reference,
-        _channel_norm_fwd_fake,
-    ),
-    "channel_norm_bwd": (
-        _channel_norm_bwd_cuda,
-        _channel_norm_bwd_reference,
-        _channel_norm_bwd_fake,
-    ),
-}
+def define(schema: str, cuda_kernel, cpu_kernel, fake_kernel) -> torch._ops.OpOverload:
+    """Define the op ``torch.ops.cupynorm.<name>`` of ``schema`` with its CUDA and CPU kernels
+    (``Library.impl`` on the device keys: no ``custom_op`` wrapper on the call) and its fake
+    kernel; returns the op's default overload."""
+    name = schema[: schema.index("(")]
+    _lib.define(schema)
+    _lib.impl(name, cuda_kernel, "CUDA")
+    _lib.impl(name, cpu_kernel, "CPU")
+    torch.library.register_fake(f"cupynorm::{name}", fake_kernel, lib=_lib)
+    return getattr(torch.ops.cupynorm, name).default
 
-for _name, _schema in _SCHEMAS.items():
-    _cuda_kernel, _cpu_kernel, _fake_kernel = _KERNELS[_name]
-    _lib.define(_schema)
-    _lib.impl(_name, _cuda_kernel, "CUDA")
-    _lib.impl(_name, _cpu_kernel, "CPU")
-    torch.library.register_fake(f"cupynorm::{_name}", _fake_kernel, lib=_lib)
 
-_torch_ops = torch.ops.cupynorm
-group_norm_fwd_op = _torch_ops.group_norm_fwd.default
-group_norm_bwd_op = _torch_ops.group_norm_bwd.default
-group_norm_act_fwd_op = _torch_ops.group_norm_act_fwd.default
-group_norm_act_bwd_op = _torch_ops.group_norm_act_bwd.default
-instance_norm_fwd_op = _torch_ops.instance_norm_fwd.default
-batch_norm_fwd_op = _torch_ops.batch_norm_fwd.default
-batch_norm_bwd_op = _torch_ops.batch_norm_bwd.default
-batch_norm_act_fwd_op = _torch_ops.batch_norm_act_fwd.default
-batch_norm_act_bwd_op = _torch_ops.batch_norm_act_bwd.default
-row_norm_add_mul_fwd_op = _torch_ops.row_norm_add_mul_fwd.default
-row_norm_add_mul_bwd_op = _torch_ops.row_norm_add_mul_bwd.default
-row_norm_fwd_op = _torch_ops.row_norm_fwd.default
-row_norm_bwd_op = _torch_ops.row_norm_bwd.default
-channel_norm_fwd_op = _torch_ops.channel_norm_fwd.default
-channel_norm_bwd_op = _torch_ops.channel_norm_bwd.default
-
-# each forward op's autograd: (op, backward, setup_context)
-for _name, _backward, _setup in (
-    ("group_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_setup),
-    (
-        "group_norm_act_fwd",
-        _make_group_norm_act_backward(group_norm_act_bwd_op),
-        _group_norm_act_setup,
-    ),
-    ("instance_norm_fwd", _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_setup),
-    ("batch_norm_fwd", _make_batch_norm_backward(batch_norm_bwd_op), _batch_norm_setup),
-    (
-        "batch_norm_act_fwd",
-        _make_batch_norm_act_backward(batch_norm_act_bwd_op),
-        _batch_norm_act_setup,
-    ),
-    (
-        "row_norm_add_mul_fwd",
-        _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
-        _row_norm_add_mul_setup,
-    ),
-    ("row_norm_fwd", _make_row_norm_backward(row_norm_bwd_op), _row_norm_setup),
-    ("channel_norm_fwd", _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup),
-):
-    torch.library.register_autograd(f"cupynorm::{_name}", _backward, setup_context=_setup, lib=_lib)
+def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> None:
+    """A forward op's autograd: ``backward`` (which calls the backward op) and ``setup_context``."""
+    torch.library.register_autograd(op.name(), backward, setup_context=setup_context, lib=_lib)

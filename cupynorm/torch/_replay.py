@@ -18,9 +18,10 @@ forward's program, :func:`cupynorm._program.call_bound`).
 Families: batch norm (plain and fused), group norm (plain and fused), row norms (LayerNorm,
 RMSNorm, their residual forms, Llama's RMSNorm), channel norms (LayerNorm2d / RMSNorm2d: NCHW
 input by the channels family; channels_last input replayed as the row norm of its (N, *spatial,
-C) view, under the function's name as origin).
-Their save and backward are in :mod:`._autograd` (``_<family>_replay_save``,
-``_<family>_replay_grads``).
+C) view, under the function's name as origin). What is a family's is in its module: its entry
+``_replay_<family>`` (the host op's arguments built as its full path builds them, handed to
+:func:`run` with the rest), its ``_<family>_replay_save`` and ``_<family>_replay_grads``. This
+module imports no family: it is the generic part, :func:`run` and :func:`validated`.
 
 Replayed: CUDA tensors, no tracing (``torch.compile``, tensor subclasses, dispatch modes), no
 functorch transform, and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
@@ -30,31 +31,16 @@ of a key, a call torch's checks reject, a layout that needs a copy -- takes the 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from cupynorm import _program
 
-from ._autograd import (
-    _batch_norm_replay_save,
-    _channel_norm_replay_save,
-    _group_norm_replay_save,
-    _hooks_active,
-    _ReplayFunction,
-    _row_norm_replay_save,
-    _transforms_active,
-)
-from ._kernels import (
-    _batch_norm_fwd_op_args,
-    _channel_norm_fwd_op_args,
-    _group_norm_fwd_op_args,
-    _row_norm_fwd_op_args,
-)
+from ._autograd import _hooks_active, _ReplayFunction, _transforms_active
 
-_unwrap = torch._C._functorch.unwrap_if_dead
+#: a functorch wrapper of a dead transform level unwrapped (what ``Function.apply`` does)
+unwrap = torch._C._functorch.unwrap_if_dead
 
 #: what :func:`validated` takes: (the call key, the origin), or None
 Token = tuple | None
@@ -72,12 +58,14 @@ class _Replayed:
         self.save, self.info = save, info
 
 
-def _run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Token]:
+def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Token]:
     """The host op call ``name(*args, **kwargs)`` replayed: (its outputs (no ``grad``) or the
     replay Function's, None); or (None, the token to hand :func:`validated`) when its program
     was not validated for ``origin``; or (None, None) when something besides the call decides
     (a recording, a functorch transform, saved-tensor hooks when the call needs autograd) or a
-    tensor is on another device. ``tensors``: the Function's inputs (x, a, b, c)."""
+    tensor is on another device. What the family gives: ``save`` and ``info``, its save
+    function and the call's constants (:class:`._autograd._ReplayFunction`); ``tensors``: the
+    Function's inputs (x, a, b, c)."""
     if _program._active.recording is not None or _transforms_active():
         return None, None
     if grad and _hooks_active():
@@ -97,90 +85,10 @@ def _run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, To
     return _ReplayFunction.c_apply(*tensors, call), None
 
 
-def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, residual,
-               act, batches_tracked, grad) -> tuple[Tensor | None, Token]:  # fmt: skip
-    """``act(batch_norm(x) + residual)`` replayed: (y, None); or (None, a token for
-    :func:`validated`) or (None, None) when the call is not replayed. The arguments are
-    :func:`cupynorm.torch.functional._batch_norm_act`'s (act "identity" and residual None: plain
-    batch norm), on tensors the kernels take (CUDA), in a call nothing traces
-    (``functional._traced``); ``grad``: whether the call needs autograd
-    (``functional._wants_grad``)."""
-    x = _unwrap(x)
-    if residual is not None:
-        residual = _unwrap(residual)
-    if grad:
-        weight = weight if weight is None else _unwrap(weight)
-        bias = bias if bias is None else _unwrap(bias)
-    keep = grad and act == "relu" and residual is not None
-    # fmt: off
-    args = _batch_norm_fwd_op_args(x, weight, bias, running_mean, running_var, training,
-                                   momentum, eps, residual, act, batches_tracked, keep)
-    y, token = _run("batch_norm_fwd", args, {}, None, grad, _batch_norm_replay_save,
-                    (training, act), (x, weight, bias, residual))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
-
-
-def group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
-               out_float32=False) -> tuple[Tensor | None, Token]:  # fmt: skip
-    """Group norm (``act`` None) or ``act(group_norm(x + shift))`` replayed, as
-    :func:`batch_norm`: the arguments those of the kernels (under autocast float32 copies of the
-    parameters, of x too unless ``out_float32`` (y in float32 beside a half-precision x); the
-    ``origin`` saying of what)."""
-    x = _unwrap(x)
-    if grad:
-        weight, bias, shift = (t if t is None else _unwrap(t) for t in (weight, bias, shift))
-    # fmt: off
-    args, kwargs = _group_norm_fwd_op_args(x, num_groups, weight, bias, eps, act, shift, grad,
-                                           out_float32)
-    # fmt: on
-    # fmt: off
-    y, token = _run("group_norm_fwd", args, kwargs, origin, grad, _group_norm_replay_save,
-                    (num_groups, act), (x, weight, bias, shift))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
-
-
-def row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
-             out_float32=False) -> tuple[Any, Token]:  # fmt: skip
-    """LayerNorm / RMSNorm over the trailing ``dims`` of x (after adding ``residual``) replayed,
-    as :func:`batch_norm`: y (float32 with ``out_float32``), or (y, sum) with a residual."""
-    x = _unwrap(x)
-    if grad:
-        residual, weight, bias = (t if t is None else _unwrap(t) for t in (residual, weight, bias))
-    elif residual is not None:
-        residual = _unwrap(residual)
-    row_len = dims[0] if len(dims) == 1 else math.prod(dims)
-    # fmt: off
-    args, kwargs = _row_norm_fwd_op_args(x, residual, weight, bias, row_len, eps, rms, cast,
-                                         grad, out_float32)
-    out, token = _run("row_norm_fwd", args, kwargs, origin, grad, _row_norm_replay_save,
-                      (row_len, cast, dims), (x, residual, weight, bias))
-    # fmt: on
-    if out is None or grad:
-        return out, token
-    return (out[0] if residual is None else out[:2]), token
-
-
-def channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:
-    """LayerNorm / RMSNorm over dim 1 of contiguous (NCHW) x by the channels family, replayed
-    as :func:`batch_norm`. (channels_last input is the row norm of its channels-last view:
-    :func:`row_norm`.)"""
-    x = _unwrap(x)
-    if grad:
-        weight, bias = (t if t is None else _unwrap(t) for t in (weight, bias))
-    args, kwargs = _channel_norm_fwd_op_args(x, weight, bias, eps, rms, grad)
-    # fmt: off
-    y, token = _run("_channel_norm_fwd", args, kwargs, origin, grad, _channel_norm_replay_save,
-                    None, (x, weight, bias, None))
-    # fmt: on
-    return (y[0] if y is not None and not grad else y), token
-
-
 def validated(token: Token, as_given: bool, vectors: tuple) -> None:
-    """The full path ran the call of ``token`` (:func:`batch_norm`, ...) to the end: replay its
-    program for that origin from now on, when the op was called with the arguments as given
-    (``as_given``: the input and any other full-size tensor taken without a copy; the
+    """The full path ran the call of ``token`` (a family's ``_replay_<family>``) to the end:
+    replay its program for that origin from now on, when the op was called with the arguments
+    as given (``as_given``: the input and any other full-size tensor taken without a copy; the
     ``vectors`` contiguous) and recorded it."""
     if token is None or not as_given:
         return

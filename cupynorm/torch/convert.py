@@ -262,7 +262,7 @@ def _computes_like_llama(module: torch.nn.Module) -> bool:
     """Whether ``module.forward`` gives Llama's formula (functional._llama_rms_norm_torch)
     with its ``weight`` and ``variance_epsilon``, on copies with a random weight and random
     input of the weight's dtype and of one other floating dtype."""
-    from .functional import _llama_rms_norm_torch
+    from ._llama_rms_norm import _llama_rms_norm_torch
 
     eps = getattr(module, "variance_epsilon", None)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):

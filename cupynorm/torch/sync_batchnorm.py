@@ -65,8 +65,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import _checks
-from ._kernels import _dense, _host, _vec, _write_back
 from ._reference import _channel_shape, _layout, _stat_dtype
+from ._tensors import _dense, _host, _vec, _write_back
 from .functional import batch_norm
 from .modules import _BatchNormForward
 
