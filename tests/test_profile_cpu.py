@@ -238,3 +238,15 @@ def test_fake_device_restores_on_error() -> None:
         assert _plan.device_info is not device_info
         raise ValueError("inside")
     assert _plan.device_info is device_info
+
+
+def test_fake_device_leaves_no_launcher_in_the_cache(capsys) -> None:
+    """The real launchers run uncached inside the fake device: a cached one would keep the faked
+    kernel and driver for the real device's later calls in the same process (a GPU machine's
+    test run)."""
+    pytest.importorskip("torch")
+    from cupynorm import _compile
+
+    before = _compile.launcher.cache_info().currsize
+    assert main(["profile", "cpu", "--family", "ln", "--layers", "2", "--steps", "3"]) == 0
+    assert _compile.launcher.cache_info().currsize == before

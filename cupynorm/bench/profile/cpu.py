@@ -104,6 +104,9 @@ def fake_device(launches: str = "driver") -> Iterator[None]:
         else:
             patch(_compile, "get_kernel", lambda *args: SimpleNamespace(ptr=0))
             patch(_compile, "_driver", lambda: _NoDriver)
+            # the real launchers, uncached: a cached one would keep the faked kernel and driver
+            # for the real device's later calls in this process (a GPU machine's test run)
+            patch(_compile, "launcher", _compile.launcher.__wrapped__)
         patch(_compile, "max_block_threads", lambda *a: 1024)
         patch(_compile, "resident_ctas", lambda *a: 2)
         patch(_compile, "has_cooperative_launch", lambda: True)

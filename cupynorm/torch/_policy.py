@@ -1,0 +1,204 @@
+"""Where a norm call on CUDA tensors runs: cupynorm's kernels or torch's own op.
+
+Eager (see the second half of this module), a call smaller than its kind's size runs torch's
+op: :func:`set_eager_min_bytes`. Inside a compiled graph a cupynorm op is an
+opaque call that Inductor cannot fuse with its neighbours (the residual add, the activation, a
+cast, the ReLU mask and the residual gradient in the backward), and each such call costs host
+time that Inductor's generated launcher does not. Where Inductor's own norm kernels plus the
+fusion they allow beat that, the kind is traced as torch's own functional call instead, so that
+Inductor compiles it. Measured (H200, torch 2.11, 2026-11-27, model training steps compiled,
+cupynorm on its kernels against torch): resnet50 b64 0.89x and efficientnet_b0 0.51x (batch
+norm), convnext_tiny 0.50x (layer norm over rows and channels), Llama 0.98x (RMSNorm); group
+norm (diffusion UNet blocks) 1.04x: Inductor's group norm is the weak spot. See
+benchmarks/NOTES.md ("torch.compile per norm kind") for the measurements.
+
+The default keeps the group norm family (GroupNorm, GroupNormAct, InstanceNorm) and the fused
+row norm + add + multiply on the kernels. Change it before compiling with
+:func:`set_compile_kernels` or the environment variable ``CUPYNORM_COMPILE_KERNELS``
+(``all``, ``none``, ``default`` or a comma-separated list of kinds); a graph compiled under one
+policy is recompiled when the policy changes (Dynamo guards on it).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+
+#: the norm kinds the policy decides, each the functional calls it covers
+KINDS = {
+    "batch_norm": "batch_norm, batch_norm_act (BatchNorm*d, BatchNormAct2d, fuse's fused blocks)",
+    "group_norm": "group_norm, group_norm_act (GroupNorm, GroupNormAct)",
+    "instance_norm": "instance_norm (InstanceNorm*d)",
+    "layer_norm": "layer_norm, add_layer_norm (LayerNorm)",
+    "rms_norm": "rms_norm, add_rms_norm, llama_rms_norm (RMSNorm, LlamaRMSNorm)",
+    "channel_norm": "layer_norm2d, rms_norm2d (LayerNorm2d, RMSNorm2d)",
+    "row_norm_add_mul": "row_norm_add_mul (RowNormAddMul)",
+}
+#: the kinds on cupynorm's kernels inside torch.compile by default (see above)
+DEFAULT = frozenset({"group_norm", "instance_norm", "row_norm_add_mul"})
+ENVIRONMENT = "CUPYNORM_COMPILE_KERNELS"
+
+
+def _parse(kinds: str | Iterable[str]) -> frozenset[str]:
+    if isinstance(kinds, str):
+        word = kinds.strip().lower()
+        if word == "all":
+            return frozenset(KINDS)
+        if word == "none":
+            return frozenset()
+        if word == "default":
+            return DEFAULT
+        kinds = [k.strip() for k in word.split(",") if k.strip()]
+    chosen = frozenset(kinds)
+    unknown = sorted(chosen - KINDS.keys())
+    if unknown:
+        raise ValueError(
+            f"unknown norm kind(s) {', '.join(map(repr, unknown))}; expected 'all', 'none', "
+            f"'default' or kinds among {', '.join(map(repr, KINDS))}"
+        )
+    return chosen
+
+
+# kind -> on the kernels inside torch.compile; a dict Dynamo guards on, changed in place
+_ON_KERNELS: dict[str, bool] = dict.fromkeys(KINDS, False)
+
+
+def set_compile_kernels(kinds: str | Iterable[str]) -> frozenset[str]:
+    """Choose the norm kinds that run on cupynorm's kernels inside ``torch.compile`` (the others
+    are traced as torch's own functional calls, for Inductor to compile and fuse); returns the
+    previous choice, which this function takes back.
+
+    ``kinds``: ``"all"``, ``"none"``, ``"default"``, a comma-separated string or an iterable of
+    the names in :data:`KINDS`. Eager calls are not affected.
+
+    Example::
+
+        >>> import cupynorm.torch as cnt
+        >>> previous = cnt.set_compile_kernels("all")     # every norm on cupynorm's kernels
+        >>> cnt.set_compile_kernels(previous)
+    """
+    chosen = _parse(kinds)
+    previous = compile_kernels()
+    for kind in KINDS:
+        _ON_KERNELS[kind] = kind in chosen
+    return previous
+
+
+def compile_kernels() -> frozenset[str]:
+    """The norm kinds that run on cupynorm's kernels inside ``torch.compile`` now."""
+    return frozenset(kind for kind, on in _ON_KERNELS.items() if on)
+
+
+def inductor_takes(kind: str) -> bool:
+    """Whether a call of this kind is being compiled and is left to Inductor (traced as torch's
+    own functional call)."""
+    return torch.compiler.is_compiling() and not _ON_KERNELS[kind]
+
+
+# ---- eager: small calls on torch's own op ------------------------------------------------------
+# An eager call costs the host more on cupynorm's Python path than on torch's C++ one, and the
+# kernels save GPU time in proportion to the bytes they move. Where the saving is smaller than
+# the host time added, a step paced by the host (small batches, small nets) gets slower, and one
+# paced by the GPU gains less than a host-paced one would lose: below these input sizes an eager
+# call runs torch's own op (the minimax choice per call). Measured on one H100 host (torch 2.11,
+# 2026-11-27; benchmarks/NOTES.md "Small eager calls on torch's own op"): host time per layer,
+# forward + backward, cupynorm minus torch, in 50-layer stacks: batch norm +75..+90 us, batch
+# norm + ReLU +0..+55, group norm +15..+25, group norm + SiLU -15, layer norm +80, RMS norm +75;
+# GPU time saved per forward + backward (torch.profiler): batch norm bf16 channels_last 26 MB
+# 43 us, 102 MB 154 us, fp32 51 MB 14 us, 205 MB 110 us; batch norm + ReLU bf16 26 MB 76 us;
+# group norm fp16 3.2 MB 30 us, fp32 3.2 MB 9 us, 12.8 MB 29 us; layer norm bf16 32 MB 7 us,
+# 128 MB 135 us, fp32 39 MB 39 us, 200 MB 316 us. A CUDA graph capture pays the host once: its
+# calls always run on the kernels; inside torch.compile the policy above decides.
+#: kind -> the input size in bytes from which an eager call runs on cupynorm's kernels
+EAGER_DEFAULT: Mapping[str, int] = {
+    "batch_norm": 1 << 26,  # batch_norm, batch_norm_act with neither residual nor activation
+    "batch_norm_act": 1 << 24,  # batch_norm_act with a residual or an activation
+    "group_norm": 1 << 22,  # group_norm on contiguous input (channels_last: the kernels)
+    "group_norm_act": 0,
+    "instance_norm": 0,
+    "layer_norm": 1 << 26,  # layer_norm, add_layer_norm
+    "rms_norm": 1 << 26,  # rms_norm, add_rms_norm
+    "llama_rms_norm": 0,  # Hugging Face's formula is six torch ops, each a kernel
+    "channel_norm": 0,  # layer_norm2d, rms_norm2d: torch has no single op for them
+    "row_norm_add_mul": 0,
+}
+EAGER_ENVIRONMENT = "CUPYNORM_EAGER_MIN_BYTES"
+# kind -> bytes; changed in place (the functional reads it on every call)
+EAGER_MIN_BYTES: dict[str, int] = dict(EAGER_DEFAULT)
+
+
+def _parse_sizes(sizes: str | int | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(sizes, str):
+        word = sizes.strip().lower()
+        if word == "default":
+            return dict(EAGER_DEFAULT)
+        try:
+            if "=" in word:
+                pairs = [item.split("=", 1) for item in word.split(",") if item.strip()]
+                sizes = {kind.strip(): int(size) for kind, size in pairs}
+            else:
+                sizes = int(word)
+        except ValueError:
+            raise ValueError(
+                f"expected 'default', a size in bytes or 'kind=bytes,...', got {sizes!r}"
+            ) from None
+    if type(sizes) is int:
+        sizes = dict.fromkeys(EAGER_DEFAULT, sizes)
+    if not isinstance(sizes, Mapping):
+        raise TypeError(
+            f"expected 'default', a size in bytes or a mapping of kinds to sizes, got {sizes!r}"
+        )
+    unknown = sorted(set(sizes) - EAGER_DEFAULT.keys())
+    if unknown:
+        raise ValueError(
+            f"unknown norm kind(s) {', '.join(map(repr, unknown))}; expected kinds among "
+            f"{', '.join(map(repr, EAGER_DEFAULT))}"
+        )
+    chosen = dict(EAGER_MIN_BYTES)
+    for kind, size in sizes.items():
+        if type(size) is not int or size < 0:
+            raise ValueError(f"expected a size in bytes >= 0 for {kind!r}, got {size!r}")
+        chosen[kind] = size
+    return chosen
+
+
+def set_eager_min_bytes(sizes: str | int | Mapping[str, int]) -> dict[str, int]:
+    """Choose, per norm kind, the input size (bytes) from which an eager CUDA call runs on
+    cupynorm's kernels; smaller calls run torch's own op, whose C++ host path costs less than
+    the GPU time the kernels would save (see :data:`EAGER_DEFAULT`). Returns the previous
+    choice, which this function takes back. Calls inside a CUDA graph capture or
+    ``torch.compile`` are not affected.
+
+    ``sizes``: ``"default"``; a size for every kind (``0``: every eager call on the kernels);
+    a mapping of kinds to sizes, or a string ``"kind=bytes,..."`` (kinds not named keep theirs).
+
+    Example::
+
+        >>> import cupynorm.torch as cnt
+        >>> previous = cnt.set_eager_min_bytes(0)      # every eager call on cupynorm's kernels
+        >>> cnt.set_eager_min_bytes(previous)
+    """
+    chosen = _parse_sizes(sizes)
+    previous = eager_min_bytes()
+    EAGER_MIN_BYTES.update(chosen)
+    return previous
+
+
+def eager_min_bytes() -> dict[str, int]:
+    """Per norm kind, the input size (bytes) from which an eager call runs on the kernels."""
+    return dict(EAGER_MIN_BYTES)
+
+
+try:
+    set_compile_kernels(os.environ.get(ENVIRONMENT, "default"))
+except ValueError as error:
+    warnings.warn(f"{ENVIRONMENT} ignored: {error}", stacklevel=1)
+    set_compile_kernels(DEFAULT)
+
+try:
+    set_eager_min_bytes(os.environ.get(EAGER_ENVIRONMENT, "default"))
+except (TypeError, ValueError) as error:
+    warnings.warn(f"{EAGER_ENVIRONMENT} ignored: {error}", stacklevel=1)

@@ -1,0 +1,157 @@
+"""Small eager calls on torch's own op (cupynorm.torch.set_eager_min_bytes) on the GPU: below a
+kind's size an eager call is torch's functional call (outputs, gradients and running statistics
+those of torch's module), from that size on it runs cupynorm's kernels; a CUDA graph
+capture and channels_last GroupNorm always run the kernels. The rest of the suite runs with every
+size on the kernels (conftest); each test here sets the sizes it needs and restores them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import cuda_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
+
+if cuda_available():
+    import torch
+    import torch.nn.functional as F
+
+    import cupynorm.torch as cnt
+
+
+@pytest.fixture
+def sizes():
+    """Restores the eager sizes the test found."""
+    previous = cnt.eager_min_bytes()
+    yield cnt.set_eager_min_bytes
+    cnt.set_eager_min_bytes(previous)
+
+
+@pytest.fixture
+def torch_calls(monkeypatch):
+    """Counts the calls of torch.nn.functional's norms (looked up at call time by cupynorm)."""
+    counts: dict[str, int] = {}
+    for name in ("batch_norm", "group_norm", "layer_norm", "rms_norm"):
+        original = getattr(F, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(F, name, spy)
+    return counts
+
+
+# kind, (torch module, cupynorm module, the functional torch runs), input shape, channels_last
+CASES = {
+    "batch_norm": (
+        lambda: (torch.nn.BatchNorm2d(16), cnt.BatchNorm2d(16), "batch_norm"),
+        (4, 16, 9, 7),
+        True,
+    ),
+    "batch_norm_act": (
+        lambda: (
+            torch.nn.Sequential(torch.nn.BatchNorm2d(16), torch.nn.ReLU()),
+            cnt.BatchNormAct2d(16),
+            "batch_norm",
+        ),
+        (4, 16, 9, 7),
+        True,
+    ),
+    "group_norm": (
+        lambda: (torch.nn.GroupNorm(4, 16), cnt.GroupNorm(4, 16), "group_norm"),
+        (4, 16, 9, 7),
+        False,
+    ),
+    "layer_norm": (
+        lambda: (torch.nn.LayerNorm(40), cnt.LayerNorm(40), "layer_norm"),
+        (6, 5, 40),
+        False,
+    ),
+    "rms_norm": (
+        lambda: (torch.nn.RMSNorm(40), cnt.RMSNorm(40), "rms_norm"),
+        (6, 5, 40),
+        False,
+    ),
+}
+
+
+def _run(module, x):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x)
+    dy = torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)
+    y.backward(dy)
+    grads = [p.grad for p in module.parameters()]
+    buffers = [b.clone() for b in module.buffers()]
+    return y, x.grad, grads, buffers
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_below_its_size_an_eager_call_is_torchs_own(kind, sizes, torch_calls) -> None:
+    make, shape, channels_last = CASES[kind]
+    reference, module, functional = make()
+    reference.cuda()
+    module.cuda().load_state_dict(reference.state_dict())
+    x = torch.randn(shape, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    sizes({kind: x.numel() * x.element_size() + 1})
+    expected = _run(reference, x)
+    torch_calls.clear()
+    got = _run(module, x)
+    assert torch_calls.get(functional) == 1
+    # torch's op on both sides: equal but for cuDNN's batch norm backward, whose channels_last
+    # parameter gradients are not bitwise reproducible from run to run
+    for e, g in zip(expected, got, strict=True):
+        for a, b in zip(*((e, g) if isinstance(e, list) else ([e], [g])), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_from_its_size_an_eager_call_runs_the_kernels(kind, sizes, torch_calls) -> None:
+    make, shape, channels_last = CASES[kind]
+    reference, module, functional = make()
+    reference.cuda()
+    module.cuda().load_state_dict(reference.state_dict())
+    x = torch.randn(shape, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    sizes({kind: x.numel() * x.element_size()})
+    expected = _run(reference, x)
+    torch_calls.clear()
+    got = _run(module, x)
+    assert functional not in torch_calls
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-4, atol=1e-4)
+
+
+def test_channels_last_group_norm_stays_on_the_kernels(sizes, torch_calls) -> None:
+    """torch's group norm gives channels_last input a contiguous output; the kernels keep the
+    layout a channels_last model runs in."""
+    sizes({"group_norm": 1 << 40})
+    module = cnt.GroupNorm(4, 16).cuda()
+    x = torch.randn(4, 16, 9, 7, device="cuda").to(memory_format=torch.channels_last)
+    y = module(x)
+    assert "group_norm" not in torch_calls
+    assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_cuda_graph_capture_runs_the_kernels(sizes, torch_calls) -> None:
+    """A captured call's host cost is paid once: the kernels, whatever the size."""
+    module = cnt.LayerNorm(40).cuda()
+    x = torch.randn(6, 5, 40, device="cuda")
+    sizes({"layer_norm": 0})
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        module(x)  # the kernels' warm-up outside the capture (compiled and recorded)
+    torch.cuda.current_stream().wait_stream(stream)
+    sizes({"layer_norm": 1 << 40})
+    graph = torch.cuda.CUDAGraph()
+    torch_calls.clear()
+    with torch.cuda.graph(graph):
+        y = module(x)
+    assert "layer_norm" not in torch_calls
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, F.layer_norm(x, (40,), module.weight, module.bias))
