@@ -79,18 +79,20 @@ def _replay_every_recorded_call():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _every_norm_on_the_kernels_when_compiled():
-    """The torch.compile tests check cupynorm's custom ops inside compiled graphs: every norm kind
-    on the kernels there (the default leaves some kinds to Inductor:
-    tests/test_compile_policy_cpu.py pins that), restored after the session."""
+def _every_norm_on_the_kernels():
+    """The tests check cupynorm's kernels: every call on them, eager at any size (the default
+    sends small eager calls to torch's op: tests/test_eager_policy_gpu.py) and inside compiled
+    graphs for every kind (the default leaves some kinds to Inductor: tests/test_policy_cpu.py),
+    restored after the session."""
     try:
-        from cupynorm.torch import _compile_policy
+        from cupynorm.torch import _policy
     except ImportError:  # no torch
         yield
         return
-    previous = _compile_policy.set_compile_kernels("all")
+    previous = _policy.set_compile_kernels("all"), _policy.set_eager_min_bytes(0)
     yield
-    _compile_policy.set_compile_kernels(previous)
+    _policy.set_compile_kernels(previous[0])
+    _policy.set_eager_min_bytes(previous[1])
 
 
 @pytest.fixture
@@ -98,7 +100,7 @@ def kernels(monkeypatch):
     """Send CPU tensors down the CUDA route (eager fast path), onto the reference kernels."""
     from torch_cpu_helpers import patch_route
 
-    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: True)
 
 
 @pytest.fixture(params=["eager", "custom_op"])
@@ -106,7 +108,7 @@ def kernel_path(request, monkeypatch):
     """The CUDA route on CPU tensors, through the eager Functions or the custom ops."""
     from torch_cpu_helpers import patch_route
 
-    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: True)
     if request.param == "custom_op":
         patch_route(monkeypatch.setattr, "_traced", lambda x: True)
     return request.param

@@ -76,6 +76,11 @@ CASES = {
 }
 
 
+def _norm_of(module):
+    """The norm layer of torch's side (a Sequential's first: the norm before its activation)."""
+    return module[0] if isinstance(module, torch.nn.Sequential) else module
+
+
 def _run(module, x):
     x = x.detach().clone().requires_grad_(True)
     y = module(x)
@@ -91,7 +96,7 @@ def test_below_its_size_an_eager_call_is_torchs_own(kind, sizes, torch_calls) ->
     make, shape, channels_last = CASES[kind]
     reference, module, functional = make()
     reference.cuda()
-    module.cuda().load_state_dict(reference.state_dict())
+    module.cuda().load_state_dict(_norm_of(reference).state_dict())
     x = torch.randn(shape, device="cuda")
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
@@ -112,7 +117,7 @@ def test_from_its_size_an_eager_call_runs_the_kernels(kind, sizes, torch_calls) 
     make, shape, channels_last = CASES[kind]
     reference, module, functional = make()
     reference.cuda()
-    module.cuda().load_state_dict(reference.state_dict())
+    module.cuda().load_state_dict(_norm_of(reference).state_dict())
     x = torch.randn(shape, device="cuda")
     if channels_last:
         x = x.to(memory_format=torch.channels_last)

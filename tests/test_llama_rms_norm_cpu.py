@@ -285,7 +285,7 @@ def test_compile_fullgraph_matches_eager(kernels):
 
 def test_functional_routes_to_torch_off_the_kernels(monkeypatch):
     """Without the kernels (CPU tensors), llama_rms_norm is transformers' formula itself."""
-    patch_route(monkeypatch.setattr, "_use_kernels", lambda x: False)
+    patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: False)
     layer = _hf_layer(modeling_llama.LlamaRMSNorm, 16, torch.bfloat16)
     x = torch.randn(5, 16).bfloat16()
     assert torch.equal(cnt.llama_rms_norm(x, layer.weight, 1e-5), layer(x))

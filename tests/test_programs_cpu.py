@@ -765,7 +765,7 @@ def route_eager_to_host_code(setattr=setattr) -> None:
         _row_norm,
     )
 
-    patch_route(setattr, "_use_kernels", lambda x: True)
+    patch_route(setattr, "_use_kernels", lambda x, kind: True)
     bn_kernels = _batch_norm_kernels
     setattr(_batch_norm, "_batch_norm_fwd_program", bn_kernels._batch_norm_fwd_cuda_program)
     setattr(_batch_norm, "_batch_norm_bwd", bn_kernels._batch_norm_bwd_cuda)

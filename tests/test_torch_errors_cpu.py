@@ -43,7 +43,7 @@ def test_bad_input_dim_errors_equal_torch(ours, theirs, shape):
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["cpu", "kernel_route"])
 def test_instance_norm_num_features_mismatch_like_torch(use_kernels, monkeypatch):
     if use_kernels:
-        patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
+        patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: True)
     x = torch.randn(2, 4, 5, 7)
     assert _error(cnt.InstanceNorm2d(3, affine=True), x) == _error(
         nn.InstanceNorm2d(3, affine=True), x
@@ -118,7 +118,7 @@ def _cases_like_torch():
 def test_errors_are_torchs(use_kernels, ours, theirs, monkeypatch):
     """The installed torch's exception (a subclass of its type) and its message, word for word."""
     if use_kernels:
-        patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
+        patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: True)
     expected = _raised(theirs)
     error = _raised(ours)
     assert isinstance(error, type(expected)), (type(error), type(expected), str(expected))
@@ -173,7 +173,7 @@ def test_batch_norm_eval_eps_zero_as_torch(kernels):
 def test_functional_error_messages(use_kernels, call, exc, message, monkeypatch):
     """Errors of arguments torch has no counterpart for: cupynorm's own, expected vs got."""
     if use_kernels:
-        patch_route(monkeypatch.setattr, "_use_kernels", lambda x: True)
+        patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: True)
     with pytest.raises(exc) as info:
         call()
     assert message in str(info.value)

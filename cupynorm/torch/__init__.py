@@ -1,10 +1,14 @@
 """cupynorm for torch: functional API, drop-in ``torch.nn`` modules and model conversion.
 
 CUDA tensors run on cupynorm's kernels (launched on torch's current stream, memory from torch's
-allocator, so CUDA-graph capture works); ``torch.compile`` sees them as custom ops
-(``torch.ops.cupynorm.*``) with fake kernels and registered autograd. Tensors on any other
-device go through :mod:`torch.nn.functional`. Importing this package does not need CuPy; the
-first CUDA call does.
+allocator, so CUDA-graph capture works), but for two choices of where a call runs (see
+:mod:`._policy`): eager calls smaller than their kind's size run torch's own op, whose host path
+costs less than the kernels would save (:func:`set_eager_min_bytes`), and inside
+``torch.compile`` BatchNorm, LayerNorm, RMSNorm and the channel norms are traced as torch's
+functional calls for Inductor to fuse, the others are custom ops (``torch.ops.cupynorm.*``) with
+fake kernels and registered autograd (:func:`set_compile_kernels`). Tensors on any other device go
+through :mod:`torch.nn.functional`. Importing this package does not need CuPy; the first CUDA
+call does.
 
 Example::
 
@@ -14,7 +18,7 @@ Example::
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
-from ._compile_policy import compile_kernels, set_compile_kernels
+from ._policy import compile_kernels, eager_min_bytes, set_compile_kernels, set_eager_min_bytes
 from .convert import replace_norms
 from .functional import (
     add_layer_norm,
@@ -69,6 +73,7 @@ __all__ = [
     "RowNormAddMul",
     "add_layer_norm",
     "compile_kernels",
+    "eager_min_bytes",
     "add_rms_norm",
     "SyncBatchNorm",
     "batch_norm",
@@ -85,4 +90,5 @@ __all__ = [
     "rms_norm2d",
     "row_norm_add_mul",
     "set_compile_kernels",
+    "set_eager_min_bytes",
 ]

@@ -46,7 +46,7 @@ from ._batch_norm_kernels import (
     _batch_norm_fwd_op_kernel,
     _batch_norm_fwd_program,
 )
-from ._compile_policy import inductor_takes
+from ._policy import inductor_takes
 from ._reference import (
     ACTIVATIONS,
     _batch_norm_act_bwd_reference,
@@ -340,6 +340,7 @@ def _batch_norm_on_kernels(
     batches_tracked: Tensor | None,
     residual: Tensor | None = None,
     activation: str | None = None,
+    kind: str = "batch_norm",
 ) -> bool:
     """The checks of a batch norm call (``args``: F.batch_norm's; ``activation`` given: the fused
     op's epilogue too) and whether it runs on cupynorm's kernels. A module's batch counter is
@@ -350,7 +351,7 @@ def _batch_norm_on_kernels(
         _checks.check_tensor(fn, "input", input)
         if activation is not None:
             _checks.check_epilogue(fn, input, residual, activation)
-        kernels = _use_kernels(input) and not inductor_takes("batch_norm")
+        kernels = _use_kernels(input, kind) and not inductor_takes("batch_norm")
         if kernels:
             _checks.check_batch_norm(*args)
     except Exception:
@@ -461,7 +462,10 @@ def _batch_norm_route(
     statistics (one launch fewer than torch's module, whose ``add_`` is a kernel of its own),
     else by a torch op (:func:`_batch_norm_on_kernels`). The modules call this directly."""
     y, key = None, None
-    if type(input) is Tensor and _use_kernels(input) and not _traced(input):
+    # the eager policy's kind: plain, or fused with an activation or a residual
+    plain = residual is None and activation in (None, "identity")
+    kind = "batch_norm" if plain else "batch_norm_act"
+    if type(input) is Tensor and _use_kernels(input, kind) and not _traced(input):
         # fmt: off
         y, key = _replay_batch_norm(input, weight, bias, running_mean, running_var, training,
                                     momentum, eps, residual, activation or "identity",
@@ -470,7 +474,7 @@ def _batch_norm_route(
         if y is not None:
             return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation):
+    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind):
         y = F.batch_norm(*args)
         if activation is None:
             return y

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import _checks, _library, _replay
 from ._autograd import _EagerFunction, _once_differentiable
-from ._compile_policy import inductor_takes
+from ._policy import inductor_takes
 from ._reference import (
     _channel_norm_bwd_reference,
     _channel_norm_fwd_reference,
@@ -323,7 +323,7 @@ def layer_norm2d(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm2d", "input", input)
-    if not _use_kernels(input) or inductor_takes("channel_norm"):
+    if not _use_kernels(input, "channel_norm") or inductor_takes("channel_norm"):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     # fmt: off
     return _channel_norm_route("layer_norm2d", F.layer_norm, input, weight, bias, eps, False,
@@ -364,7 +364,7 @@ def rms_norm2d(
     _checks.check_tensor("rms_norm2d", "input", input)
     autocast = torch.is_autocast_enabled()
     if (
-        not _use_kernels(input)
+        not _use_kernels(input, "channel_norm")
         or (autocast and not _AUTOCAST_RMS_NORM)
         or inductor_takes("channel_norm")
     ):

@@ -45,6 +45,7 @@ from cupynorm import _program
 
 from . import _checks, _library, _replay
 from ._autograd import _bound_forward, _EagerFunction, _once_differentiable
+from ._policy import inductor_takes
 from ._reference import (
     ACTIVATIONS,
     _group_norm_act_bwd_reference,
@@ -522,7 +523,10 @@ def group_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("group_norm", "input", input)
-    if not _use_kernels(input):
+    # channels_last input stays on the kernels whatever its size: torch's group norm would give
+    # it a contiguous output, and the model's next layer a copy back
+    on_kernels = _use_kernels(input, "group_norm") or (input.is_cuda and not input.is_contiguous())
+    if not on_kernels or inductor_takes("group_norm"):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
 
@@ -569,7 +573,7 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
-    if _use_kernels(input):
+    if _use_kernels(input, "group_norm_act") and not inductor_takes("group_norm"):
         return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)

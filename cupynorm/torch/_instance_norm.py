@@ -37,6 +37,7 @@ from ._group_norm import (
     _make_group_norm_backward,
     group_norm_bwd_op,
 )
+from ._policy import inductor_takes
 from ._reference import _instance_norm_fwd_reference, _instance_norm_update
 from ._route import _traced, _use_kernels, _wants_grad
 from ._tensors import _dense, _host, _vec
@@ -174,7 +175,7 @@ def instance_norm(
         >>> y = cupynorm.torch.instance_norm(x)
     """
     _checks.check_tensor("instance_norm", "input", input)
-    if not _use_kernels(input):
+    if not _use_kernels(input, "instance_norm") or inductor_takes("instance_norm"):
         return F.instance_norm(
             input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
         )

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from ._compile_policy import inductor_takes
+from ._policy import inductor_takes
 from ._route import _use_kernels
 from ._row_norm import _row_norm_route
 
@@ -56,7 +56,7 @@ def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e
     _checks.check_tensor("llama_rms_norm", "hidden_states", hidden_states)
     x = hidden_states
     if (
-        not _use_kernels(x)
+        not _use_kernels(x, "llama_rms_norm")
         or inductor_takes("rms_norm")
         or x.dtype not in _LLAMA_KERNEL_DTYPES
         or x.dim() == 0

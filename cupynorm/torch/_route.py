@@ -18,16 +18,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._policy import EAGER_MIN_BYTES
+
 _is_compiling = torch.compiler.is_compiling
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 
 
-def _use_kernels(x: Tensor) -> bool:
-    """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional).
+def _use_kernels(x: Tensor, kind: str) -> bool:
+    """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional):
+    CUDA tensors, but for an eager call of ``kind`` smaller than its size in the eager policy
+    (:func:`cupynorm.torch.set_eager_min_bytes`) outside a CUDA graph capture. Traced calls are
+    the compile policy's (:func:`._policy.inductor_takes`); their size is never read (a guard).
 
-    CUDA tensors only; CPU tests patch this to run the whole stack on the reference kernels.
+    CPU tests patch this to run the whole stack on the reference kernels.
     """
-    return x.is_cuda
+    if not x.is_cuda:
+        return False
+    least = EAGER_MIN_BYTES[kind]
+    return not least or _traced(x) or x.numel() * x.element_size() >= least or _capturing()
 
 
 def _traced(x: Tensor) -> bool:

@@ -35,7 +35,7 @@ from cupynorm import _program
 
 from . import _checks, _library, _replay
 from ._autograd import _bound_forward, _EagerFunction, _once_differentiable
-from ._compile_policy import inductor_takes
+from ._policy import inductor_takes
 from ._reference import _param_dtype, _row_norm_bwd_reference, _row_norm_fwd_reference, _stat_dtype
 from ._replay import Token, unwrap
 from ._route import (
@@ -417,7 +417,7 @@ def layer_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm", "input", input)
-    if not _use_kernels(input) or inductor_takes("layer_norm"):
+    if not _use_kernels(input, "layer_norm") or inductor_takes("layer_norm"):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     # fmt: off
     return _row_norm_route("layer_norm", F.layer_norm, input, None, normalized_shape, weight,
@@ -461,7 +461,7 @@ def rms_norm(
     _checks.check_tensor("rms_norm", "input", input)
     autocast = torch.is_autocast_enabled()
     if (
-        not _use_kernels(input)
+        not _use_kernels(input, "rms_norm")
         or (autocast and not _AUTOCAST_RMS_NORM)
         or inductor_takes("rms_norm")
     ):
@@ -500,7 +500,11 @@ def add_layer_norm(
     """
     _checks.check_tensor("add_layer_norm", "x", x)
     _checks.check_tensor("add_layer_norm", "residual", residual)
-    if not _use_kernels(x) or torch.is_autocast_enabled() or inductor_takes("layer_norm"):
+    if (
+        not _use_kernels(x, "layer_norm")
+        or torch.is_autocast_enabled()
+        or inductor_takes("layer_norm")
+    ):
         total = x + residual
         return layer_norm(total, normalized_shape, weight, bias, eps), total
     # fmt: off
@@ -532,7 +536,7 @@ def add_rms_norm(
     """
     _checks.check_tensor("add_rms_norm", "x", x)
     _checks.check_tensor("add_rms_norm", "residual", residual)
-    if not _use_kernels(x) or torch.is_autocast_enabled() or inductor_takes("rms_norm"):
+    if not _use_kernels(x, "rms_norm") or torch.is_autocast_enabled() or inductor_takes("rms_norm"):
         total = x + residual
         return rms_norm(total, normalized_shape, weight, eps), total
     # fmt: off

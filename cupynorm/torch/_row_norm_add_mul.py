@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import _checks, _library
 from ._autograd import _EagerFunction, _once_differentiable
+from ._policy import inductor_takes
 from ._reference import (
     _row_norm_add_mul_bwd_reference,
     _row_norm_add_mul_fwd_reference,
@@ -168,7 +169,7 @@ def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
     """
     _checks.check_tensor("row_norm_add_mul", "x", x)
     _checks.check_row_norm_add_mul(x, y, eps)
-    if not _use_kernels(x):
+    if not _use_kernels(x, "row_norm_add_mul") or inductor_takes("row_norm_add_mul"):
         xhat = F.layer_norm(x, (x.shape[-1],), eps=eps)
         return (xhat + y) * y
     _checks.check_kernel_inputs("row_norm_add_mul", x, y)

@@ -22,7 +22,7 @@ logic they mix in, :mod:`._module_forward`; :mod:`.convert`, :mod:`.fuse`,
 family: :mod:`._route` (which calls run on the kernels, the custom op or a replay),
 :mod:`._replay` (the generic replay), :mod:`._autograd` (the eager Functions' base),
 :mod:`._library` (the op library), :mod:`._tensors` (layouts around the host code),
-:mod:`._checks`, :mod:`._compile_policy`, :mod:`._reference` (the CPU kernels) -> the
+:mod:`._checks`, :mod:`._policy`, :mod:`._reference` (the CPU kernels) -> the
 framework-neutral host code (:mod:`cupynorm._program`; :mod:`cupynorm._ops`, imported on the
 first CUDA call).
 
