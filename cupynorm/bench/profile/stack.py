@@ -4,7 +4,9 @@ A chain of N layers of one family on a small tensor, forward then backward issue
 with no synchronization: the autograd engine's fixed cost is paid once per step, as in a model,
 so what each layer adds is its own host time. Measured per family: `nn.Identity` (the baseline,
 subtracted), a bare Python `autograd.Function` with a norm's allocations and no kernels (the
-floor of any norm written in Python), torch's module and cupynorm's. Per layer: host µs of the
+floor of any norm written in Python), torch's module and cupynorm's (on a GPU twice: on its
+kernels at every size, and with the default eager policy, which gives calls this small torch's
+own op: what a user gets). Per layer: host µs of the
 forward and of the backward (the fastest of several blocks of steps), and on a GPU the kernel µs,
 kernel launches and allocations (torch.profiler, the caching allocator's counter). The same
 stacks run on the CPU with faked launches (`profile cpu`).
@@ -292,14 +294,23 @@ def profile_family(
         "floor": floor_layer_class(),
         **layer_makers(family.name),
     }
+    import cupynorm.torch as cnt
+
+    # "cupynorm": its kernels at every size; "cupynorm default": the default eager policy, which
+    # gives calls this small torch's own op (cupynorm.torch.set_eager_min_bytes)
+    makers["cupynorm default"] = makers["cupynorm"]
+    sizes = {"cupynorm": 0, "cupynorm default": "default"}
     x = make_input(family, bench, cpu)
     base = time_stack(build_stack(makers["identity"], layers, family, x), x, family, bench, cpu)
     rows = []
     for impl in impls:
         model = build_stack(makers[impl], layers, family, x)
-        rows.append(
-            per_layer(family.name, impl, time_stack(model, x, family, bench, cpu), base, layers)
-        )
+        previous = cnt.set_eager_min_bytes(sizes.get(impl, "default"))
+        try:
+            timing = time_stack(model, x, family, bench, cpu)
+        finally:
+            cnt.set_eager_min_bytes(previous)
+        rows.append(per_layer(family.name, impl, timing, base, layers))
         if cprofile and impl == "cupynorm":
             step = _step_of(model, x, None if cpu else family.autocast)
             title = f"{family.name} cupynorm stack steps"
@@ -366,7 +377,8 @@ def run(args: argparse.Namespace) -> int:
         amp = f", {family.autocast} autocast" if family.autocast else ""
         print(f"  {family.name}: {family.title} on {'x'.join(map(str, family.shape))} "
               f"{family.dtype}{layout}{amp}", flush=True)  # fmt: skip
-        rows += profile_family(family, args.layers, bench, cprofile=args.cprofile)
+        impls = ("floor", "torch", "cupynorm", "cupynorm default")
+        rows += profile_family(family, args.layers, bench, impls, cprofile=args.cprofile)
     print()
     print(format_rows(rows, gpu=True))
     print(
