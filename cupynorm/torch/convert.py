@@ -259,7 +259,7 @@ def _llama_candidate(module: torch.nn.Module) -> bool:
 
 
 def _computes_like_llama(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` gives Llama's formula (functional._llama_rms_norm_torch)
+    """Whether ``module.forward`` gives Llama's formula (_llama_rms_norm._llama_rms_norm_torch)
     with its ``weight`` and ``variance_epsilon``, on copies with a random weight and random
     input of the weight's dtype and of one other floating dtype."""
     from ._llama_rms_norm import _llama_rms_norm_torch
