@@ -401,16 +401,26 @@ def _record(
 # forward program; a later backward checks dy's layout and the alignments (no signature of the
 # fixed tensors: ~5k instructions each, nor a key to build) and finds its program with it. The
 # caller vouches that the fixed tensors are the forward's own (the autograd layer checks their
-# identity), so that their layouts are those the forward program's key holds.
+# identity, or a saved output's pointer and layout), so that their layouts are those the forward
+# program's key holds.
+def _free_layout(bk: Any, args: tuple, free: int) -> Any:
+    """The layouts of a bound call's free arguments (dy; with ``free`` 2 also the second, a
+    tensor or None)."""
+    if free == 1:
+        return bk.layout(args[0])
+    return tuple(None if a is None else bk.layout(a) for a in args[:free])
+
+
 class _Bound:
-    """The key of a call whose tensors but the first argument (dy) are fixed (see above), and
-    what a later call checks against it: dy's layout, the other arguments' values."""
+    """The key of a call whose tensors but the first ``free`` arguments (dy, ...) are fixed (see
+    above), and what a later call checks against it: the free arguments' layouts, the other
+    arguments' values."""
 
     __slots__ = ("bk", "key", "layout", "tensors", "others", "values")
 
-    def __init__(self, bk: Any, key: tuple | None, args: tuple) -> None:
+    def __init__(self, bk: Any, key: tuple | None, args: tuple, free: int = 1) -> None:
         self.bk, self.key = bk, key
-        self.layout = bk.layout(args[0])
+        self.layout = _free_layout(bk, args, free)
         tensor = [i for i, a in enumerate(args) if isinstance(a, bk.array_type)]
         self.tensors = _getter(tensor)
         self.others = _getter([i for i in range(len(args)) if i not in tensor])
@@ -436,13 +446,15 @@ class _Bound:
 _BOUND_MAX = 16  # bound calls kept per op by one forward program (other argument values)
 
 
-def call_bound(forward: _Program, op: Any, args: tuple) -> Any:
+def call_bound(forward: _Program, op: Any, args: tuple, free: int = 1) -> Any:
     """``op(*args)`` (a :func:`_programmed` op) as a call bound to the recorded call
-    ``forward``: all its tensors but the first (dy) are ``forward``'s own inputs or outputs
+    ``forward``: all its tensors but the first ``free`` arguments (dy; a residual row norm's
+    backward also the sum's gradient, a tensor or None) are ``forward``'s own inputs or outputs
     (the caller vouches for that, see above). A bound call is made on the first call with each
-    value of the other arguments and each layout of dy, and kept by ``forward`` (whose layers
-    of one shape share it: in a chain of them the first backward, the last layer's, may get a
-    dy laid out otherwise, the loss's gradient); it replays nothing when that call's tensors
+    value of the other arguments and each layout of the free ones, and kept by ``forward``
+    (whose layers of one shape share it: in a chain of them the first backward, the last
+    layer's, may get a dy laid out otherwise, the loss's gradient); it replays nothing when
+    that call's tensors
     were not all 16-byte aligned (each alignment is in the key: a bound call checks them all at
     once, by one bitwise or)."""
     bounds = forward.bound.get(op)
@@ -452,12 +464,12 @@ def call_bound(forward: _Program, op: Any, args: tuple) -> Any:
     for bound in bounds:  # usually one
         if bound.others(args) == bound.values:
             if layout is None:
-                layout = bound.bk.layout(args[0])
+                layout = _free_layout(bound.bk, args, free)
             if layout == bound.layout:
                 return bound.run(op, args)
     bk, key, _tensors, pointers = _call_key(op.__name__, args, {})
     aligned = not functools.reduce(operator.or_, pointers, 0) % 16
-    bound = _Bound(bk, key if aligned else None, args)
+    bound = _Bound(bk, key if aligned else None, args, free)
     if len(bounds) < _BOUND_MAX:
         bounds.append(bound)
     return bound.run(op, args)

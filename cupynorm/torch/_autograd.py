@@ -40,12 +40,32 @@ def _keep_forward(ctx, program, saved: tuple) -> None:
     ctx.bound = None if program is None or _hooks_active() else (program, *saved)
 
 
+class _SavedOutput:
+    """What a bound backward keeps of a saved tensor that is one of the Function's outputs: its
+    pointer and layout. ``ctx.saved_tensors`` hands an output back as a new tensor object, so
+    identity cannot tell it, and the output itself kept in ``ctx`` would make a reference cycle
+    through its ``grad_fn``."""
+
+    __slots__ = ("signature",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.signature = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+    def matches(self, t: torch.Tensor | None) -> bool:
+        return t is not None and (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device) == (
+            self.signature
+        )
+
+
 def _bound_forward(ctx, saved: tuple):
     """The forward's program :func:`_keep_forward` kept, when ``saved`` (``ctx.saved_tensors``)
-    are the tensors it kept with it; else None. The kept references are dropped: a second
-    backward (retain_graph) takes the full path."""
+    are the tensors it kept with it (a :class:`_SavedOutput` for a saved output); else None.
+    The kept references are dropped: a second backward (retain_graph) takes the full path."""
     kept, ctx.bound = ctx.bound, None
-    if kept is not None and all(a is b for a, b in zip(kept[1:], saved, strict=True)):
+    if kept is not None and all(
+        a is b or (type(a) is _SavedOutput and a.matches(b))
+        for a, b in zip(kept[1:], saved, strict=True)
+    ):
         return kept[0]
     return None
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from cupynorm import _program
 
 from . import _checks, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _once_differentiable
+from ._autograd import _bound_forward, _EagerFunction, _once_differentiable, _SavedOutput
 from ._policy import inductor_takes
 from ._reference import _param_dtype, _row_norm_bwd_reference, _row_norm_fwd_reference, _stat_dtype
 from ._replay import Token, unwrap
@@ -249,7 +249,8 @@ def _row_norm_replay_save(ctx, call, x, residual, weight, bias, outputs):
     saved = (x if residual is None else total, weight, mean, rstd)
     ctx.save_for_backward(*saved)
     ctx.row = call.info
-    ctx.bound = (call.program, *saved)
+    kept = x if residual is None else _SavedOutput(total)  # the sum is an output
+    ctx.bound = (call.program, kept, weight, mean, rstd)
     ctx.grads = _row_norm_replay_grads
     if residual is None:
         return y
@@ -270,14 +271,16 @@ def _row_norm_replay_grads(ctx, dy, dsum=None):
         row_len, cast, dims = ctx.row
         mask = (want_x, needs[2], needs[3])
         dsum = dsum if want_x else None
-        if forward is None or dsum is not None:  # a bound call's tensors are the forward's
+        if forward is None:
             # fmt: off
             dx, dweight, dbias = _row_norm_bwd(dy, dsum, normalized, mean, rstd, weight, len(dims),
                                                mask, cast)
             # fmt: on
         else:
             args = (dy, dsum, normalized, mean, rstd, weight, row_len, mask, cast)
-            dx, dweight, dbias = _program.call_bound(forward, _host().row_norm_bwd, args)
+            # free: dy, and the sum's gradient when there is one: new tensors of each backward
+            free = 1 if dsum is None else 2
+            dx, dweight, dbias = _program.call_bound(forward, _host().row_norm_bwd, args, free)
             if len(dims) > 1:  # the host op's are (row_len,)
                 dweight = None if dweight is None else dweight.view(dims)
                 dbias = None if dbias is None else dbias.view(dims)
