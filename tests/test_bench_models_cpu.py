@@ -288,6 +288,7 @@ def test_models_table_and_json_on_fake_numbers() -> None:
     eager_cupynorm = result.step("eager", "cupynorm")
     eager_cupynorm.kernel_ms, eager_cupynorm.norm_kernel_ms = 14.6, 7.8
     eager_cupynorm.host_us, eager_cupynorm.norm_kernels = 24000.0, 318.0
+    eager_cupynorm.peak_extra_bytes = 96 * 2**20
     result.host_us_without_norms = 13400.0  # (24000 - 13400) / 53 = 200 us per norm layer
     missing = bench.ModelResult(
         bench.MODEL_WORKLOADS_BY_NAME["gn_blocks_fp16_cl"],
@@ -307,15 +308,16 @@ def test_models_table_and_json_on_fake_numbers() -> None:
         "24000",
         "200",
         "6.0",
+        "96",
         "2.5e-05",
         "0.05 (> 2x torch)",
     ]
     torch_row = by_key[("resnet50_b64_bf16_cl", "eager", "torch")]
-    assert torch_row[4] == "1.00x" and torch_row[10:] == ["2.4e-05", "0.02"]
-    assert torch_row[8] == "-"  # no host time measured for it
+    assert torch_row[4] == "1.00x" and torch_row[11:] == ["2.4e-05", "0.02"]
+    assert torch_row[8] == "-" and torch_row[10] == "-"  # no host time, no peak measured for it
     graphed = by_key[("resnet50_b64_bf16_cl", "graphed", "cupynorm")]
     assert graphed[3].startswith("ERROR: RuntimeError: operation not permitted")
-    assert graphed[10:] == ["", ""]  # accuracy only on eager rows
+    assert graphed[11:] == ["", ""]  # accuracy only on eager rows
     assert (
         by_key[("gn_blocks_fp16_cl", "-", "-")][3] == "ERROR: setup failed: ModuleNotFoundError: x"
     )

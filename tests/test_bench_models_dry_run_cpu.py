@@ -225,8 +225,9 @@ def test_models_dry_run_end_to_end(
             assert all(cell not in ("-", "") for cell in eager_only), row
             float(row[8])  # host us per norm layer: a number (of either sign on a CPU dry run)
             assert float(row[9]) > 0  # norm launches per layer
+            assert float(row[10]) >= 0  # peak MiB of a step
         else:
-            assert eager_only == ["-", "-", "-", "-", "-", "", ""], row
+            assert eager_only == ["-", "-", "-", "-", "-", "-", "", ""], row
 
     report = json.loads(json_path.read_text())
     assert report["exit_code"] == 0 and report["workloads"] == []
@@ -389,7 +390,7 @@ def test_less_accurate_cupynorm_fails_the_row(
     assert "WORSE THAN 2x TORCH" in captured.err
     assert "FAILED resnet50_b64_bf16_cl: cupynorm less accurate than torch" in captured.err
     rows = {tuple(row[:3]): row for row in _models_table(captured.out)[2:]}
-    assert rows[("resnet50_b64_bf16_cl", "eager", "cupynorm")][10].endswith("(> 2x torch)")
+    assert rows[("resnet50_b64_bf16_cl", "eager", "cupynorm")][11].endswith("(> 2x torch)")
 
 
 def test_a_failing_mode_is_that_cell_only(
@@ -446,10 +447,10 @@ def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.Mon
     ]
     assert all(r.reps == 3 * 2 and r.host_us is not None for r in results)
     # three timing rounds of one warm-up step and two timed ones each, then two issue-time
-    # samples of each
+    # samples of each, then each one's step measured for its peak memory
     t, c = "torch", "cupynorm"
     rounds = [t] * 3 + [c] * 3 + [c] * 3 + [t] * 3 + [t] * 3 + [c] * 3
-    assert log == rounds + [t, c, c, t]
+    assert log == rounds + [t, c, c, t] + [t, c]
 
 
 def test_eager_steps_one_after_the_other_when_both_do_not_fit(

@@ -187,9 +187,9 @@ def test_report_renders_every_group(tmp_path: Path, capsys) -> None:
         for mode in ("eager", "graphed", "compile", "reduce-overhead")
     ]
     eager = rows[("resnet50_b64_bf16_cl", "eager")]
-    assert eager[2:] == ["18", "20", "0.90x", "96", "144", ">= 1.15x **missed** [1]"]
+    assert eager[2:] == ["18", "20", "0.90x", "96", "144", "-", "-", ">= 1.15x **missed** [1]"]
     assert rows[("resnet50_b64_bf16_cl", "graphed")][2:] == [
-        "17", "13.6", "1.25x", "-", "-", ">= 1.15x met",
+        "17", "13.6", "1.25x", "-", "-", "-", "-", ">= 1.15x met",
     ]  # fmt: skip
     assert rows[("resnet50_b64_bf16_cl", "compile")][-1] == ""  # no goal, note already given
     reduce_overhead = rows[("resnet50_b64_bf16_cl", "reduce-overhead")]

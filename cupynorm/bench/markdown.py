@@ -247,11 +247,13 @@ def _model_section(results: Results) -> list[str]:
         modes = [m for m in _MODE_ORDER if m in seen] + sorted(seen - set(_MODE_ORDER))
         goal, goal_modes = _model_goal(model)
         if model.get("skipped"):
-            rows.append([name, "-", "skipped", "skipped", "-", "-", "-", model["skipped"]])
+            rows.append(
+                [name, "-", "skipped", "skipped", "-", "-", "-", "-", "-", model["skipped"]]
+            )
             continue
         if model.get("error") and not steps:
             error = "error " + notes.ref(f"{name}: {model['error']}")
-            rows.append([name, "-", error, error, "-", "-", "-", ""])
+            rows.append([name, "-", error, error, "-", "-", "-", "-", "-", ""])
             continue
         noted = False
         for mode in modes:
@@ -276,13 +278,15 @@ def _model_section(results: Results) -> list[str]:
                 goal_cell += " " + notes.ref(f"{name}: {model['note']}")
                 noted = True
             host = [_host(theirs), _host(ours)] if mode == "eager" else ["-", "-"]
-            rows.append([name, mode, torch_ms, cupynorm_ms, _ratio(ratio), *host, goal_cell])
+            peak = [_peak(theirs), _peak(ours)] if mode == "eager" else ["-", "-"]
+            rows.append([name, mode, torch_ms, cupynorm_ms, _ratio(ratio), *host, *peak, goal_cell])
         accuracy = model.get("accuracy") or {}
         if accuracy and not accuracy.get("ok", True):
             failure = model.get("failure") or "accuracy check failed"
             rows[-1][-1] += " " + notes.ref(f"{name}: {failure}")
     columns = ("model", "mode", "torch ms", "cupynorm ms", "vs torch",
-               "host µs/norm layer torch", "host µs/norm layer cupynorm", "goal / why")  # fmt: skip
+               "host µs/norm layer torch", "host µs/norm layer cupynorm", "peak MiB torch",
+               "peak MiB cupynorm", "goal / why")  # fmt: skip
     titles = [f"- `{n}`: {m.get('title', '')}" for n, (_s, m) in results.models.items()]
     return [
         "## Models",
@@ -295,7 +299,9 @@ def _model_section(results: Results) -> list[str]:
         '`torch.compile(model, mode="reduce-overhead")` (Inductor\'s CUDA graphs). vs torch: '
         "torch's ms / cupynorm's in the same mode. Host µs/norm layer (eager): the time to issue "
         "a step less that of the same model with its norm layers removed, per norm layer "
-        "(forward + backward). Before timing, each row's output and input gradient in fp32 are "
+        "(forward + backward). Peak MiB (eager): what a step allocates at its peak beyond what "
+        "was allocated before it (activations, saved tensors, gradients). Before timing, each "
+        "row's output and input gradient in fp32 are "
         "checked against torch in float64 (cupynorm within 2x torch's error).",
         "",
         *_table(columns, rows, left=2),
@@ -319,6 +325,11 @@ def _model_goal(model: dict[str, Any]) -> tuple[float | None, list[str]]:
 
 def _host(step: dict[str, Any]) -> str:
     return _number(step.get("host_us_per_norm_layer"), ".0f")
+
+
+def _peak(step: dict[str, Any]) -> str:
+    peak = step.get("peak_extra_bytes")
+    return _number(peak / 2**20 if isinstance(peak, (int, float)) else None, ".0f")
 
 
 def _number(value: Any, spec: str) -> str:

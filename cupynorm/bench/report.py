@@ -290,6 +290,7 @@ MODEL_TABLE_COLUMNS = (
     "host us",
     "host us/norm layer",
     "norm launches/layer",
+    "peak MiB",
     "out err",
     "dx err",
 )
@@ -297,6 +298,10 @@ MODEL_TABLE_COLUMNS = (
 
 def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.0f}"
 
 
 def _error_cells(result: ModelResult, step: StepResult) -> list[str]:
@@ -321,16 +326,16 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
     for result in results:
         name = result.workload.name
         if result.error is not None and not result.steps:
-            rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 8)
+            rows.append([name, "-", "-", "ERROR: " + _escape_cell(result.error)] + ["-"] * 9)
             continue
         if result.skipped is not None:
-            rows.append([name, "-", "-", "skipped: " + _escape_cell(result.skipped)] + ["-"] * 8)
+            rows.append([name, "-", "-", "skipped: " + _escape_cell(result.skipped)] + ["-"] * 9)
             continue
         for step in result.steps:
             row = [name, step.mode, step.impl]
             if step.ms is None:
                 row.append(_escape_cell(f"ERROR: {step.error or 'not run'}"))
-                row.extend(["-"] * 6)
+                row.extend(["-"] * 7)
             else:
                 reference = result.step(step.mode, MODEL_TORCH)
                 row.append(format_ms(step.ms))
@@ -340,6 +345,7 @@ def model_table_rows(results: Sequence[ModelResult]) -> list[list[str]]:
                 row.append(_number(step.host_us, ".0f"))
                 row.append(_number(result.host_us_per_norm_layer(step), ".0f"))
                 row.append(_number(step.norm_launches_per_layer(result.norm_layers), ".1f"))
+                row.append(_mib(step.peak_extra_bytes))
             row.extend(_error_cells(result, step))
             rows.append(row)
     return rows
@@ -428,6 +434,7 @@ def models_to_json(results: Sequence[ModelResult]) -> list[dict[str, Any]]:
                     "norm_kernel_ms_by_name": step.norm_kernel_ms_by_name,
                     "host_us": step.host_us,
                     "host_us_per_norm_layer": result.host_us_per_norm_layer(step),
+                    "peak_extra_bytes": step.peak_extra_bytes,
                     "note": step.note,
                     "error": step.error,
                 }

@@ -105,6 +105,9 @@ class StepResult:
     norm_kernels: float | None = None  # norm-kernel launches per step
     norm_kernel_ms_by_name: dict[str, float] = field(default_factory=dict)
     host_us: float | None = None  # wall time to issue one step, no sync inside
+    # eager only: the step's peak allocation beyond what was allocated before it (activations,
+    # what autograd saves, gradients; the caching allocator's count)
+    peak_extra_bytes: int | None = None
     error: str | None = None
     note: str = ""  # what the mode did not do as asked (reduce-overhead: graphs run ungraphed)
 

@@ -174,6 +174,17 @@ def _issue_us(step: Callable[[], object]) -> float:
     return issued
 
 
+def _peak_extra_bytes(step: Callable[[], object]) -> int:
+    """The peak a step allocates beyond what was allocated before it (both models of an eager
+    pair stay allocated: what each step adds is its own)."""
+    timing.cuda.synchronize()
+    baseline = timing.cuda.memory_allocated()
+    timing.cuda.reset_peak_memory_stats()
+    step()
+    timing.cuda.synchronize()
+    return max(0, timing.cuda.max_memory_allocated() - baseline)
+
+
 def _host_us(step: Callable[[], object], steps: int) -> float:
     """Median wall time to issue one step, starting each with the device idle."""
     return statistics.median(_issue_us(step) for _ in range(steps))
@@ -225,6 +236,7 @@ def _run_step(
     _record_times(result, time_cuda_ms(step, reps=steps, warmup=WARMUP_STEPS))
     if mode == MODE_EAGER:
         result.host_us = _host_us(step, HOST_STEPS)
+        result.peak_extra_bytes = _peak_extra_bytes(step)
         _record_profile(result, step)
     return result
 
@@ -345,6 +357,7 @@ def _run_eager_pair(
         try:
             _record_times(result, times[impl])
             result.host_us = statistics.median(issue[impl])
+            result.peak_extra_bytes = _peak_extra_bytes(step)
             _record_profile(result, step)
         except Exception as exc:  # noqa: BLE001
             fail(impl, exc)
