@@ -329,8 +329,10 @@ def _programmed(op: Any) -> Any:
     name = op.__name__
 
     def with_program(*args: Any, **kwargs: Any) -> tuple[Any, _Program | None]:
+        if _active.recording is not None:  # inside another call's recording: no key needed
+            return op(*args, **kwargs), None
         bk, key, tensors, pointers, program = _lookup(name, args, kwargs)
-        if program is _UNRECORDABLE or _active.recording is not None:
+        if program is _UNRECORDABLE:
             return op(*args, **kwargs), None
         if program is not None:
             return program.run(bk, key[2], tensors, pointers), program
