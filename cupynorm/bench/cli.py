@@ -73,7 +73,8 @@ def _environment(torch_module: ModuleType) -> dict[str, Any]:
     }
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -120,7 +121,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--reps",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help=(
             "repetitions per implementation (module_overhead: trials of back-to-back calls; "
@@ -377,8 +378,8 @@ def run_example_cli(example: ModuleType, argv: Sequence[str] | None = None) -> i
             "(median of CUDA-event times, L2 flushed before each repetition)."
         ),
     )
-    parser.add_argument("--batch", type=_positive_int, help="batch size (default: the file's)")
-    parser.add_argument("--reps", type=_positive_int, default=20, help="timed repetitions")
+    parser.add_argument("--batch", type=positive_int, help="batch size (default: the file's)")
+    parser.add_argument("--reps", type=positive_int, default=20, help="timed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     args = parser.parse_args(argv)
 

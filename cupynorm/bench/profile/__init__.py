@@ -24,17 +24,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli import positive_int
+
 SUBCOMMANDS = ("stack", "model", "calls", "cpu", "kernels")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,15 +59,15 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         default="resnet50_b64_bf16_cl",
         help="a model row of `python -m cupynorm bench --list` (default resnet50_b64_bf16_cl)",
     )
-    model.add_argument("--batch", type=_positive_int, help="batch size (default: the row's)")
-    model.add_argument("--steps", type=_positive_int, default=20, help="timed steps (default 20)")
+    model.add_argument("--batch", type=positive_int, help="batch size (default: the row's)")
+    model.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
     model.add_argument("--compile", action="store_true", help="also the torch.compile'd step")
-    model.add_argument("--top", type=_positive_int, default=12, help="kernels listed (default 12)")
+    model.add_argument("--top", type=positive_int, default=12, help="kernels listed (default 12)")
     model.add_argument("--cprofile", action="store_true", help="cProfile of cupynorm's step")
 
     calls = command("calls", "host µs per public functional call, CuPy / torch / JAX (GPU)")
     calls.add_argument(
-        "--calls", type=_positive_int, default=2000, help="calls per case (default 2000)"
+        "--calls", type=positive_int, default=2000, help="calls per case (default 2000)"
     )
 
     kernels = command("kernels", "kernel table of one bench workload, torch.profiler (GPU)")
@@ -85,7 +77,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     kernels.add_argument("--quick", action="store_true", help="the row's --quick shapes")
     kernels.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     kernels.add_argument(
-        "--calls", type=_positive_int, default=10, help="profiled calls (default 10)"
+        "--calls", type=positive_int, default=10, help="profiled calls (default 10)"
     )
 
 
