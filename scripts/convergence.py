@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cupynorm from this checkout
+from cupynorm.bench.models import unet_resnet_block_class  # noqa: E402
 
 WINDOW = 50  # steps of the moving average
 K_SE = 3.0  # band half-width at least K_SE standard errors of a WINDOW-step mean
@@ -232,26 +233,6 @@ def sample_chain(chain: tuple, rows: int, length: int, g: torch.Generator) -> to
 
 
 # ---- Models --------------------------------------------------------------------------------------
-class ResnetBlock(nn.Module):
-    """diffusers' ResnetBlock2D (in = out channels, no dropout): the projected time embedding is
-    added before norm2, as ``fuse`` folds into GroupNormAct's shift."""
-
-    def __init__(self, channels: int, temb_channels: int, groups: int) -> None:
-        super().__init__()
-        self.norm1 = nn.GroupNorm(groups, channels)
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.time_emb_proj = nn.Linear(temb_channels, channels)
-        self.norm2 = nn.GroupNorm(groups, channels)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.act = nn.SiLU()
-
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(self.act(self.norm1(x)))
-        h = h + self.time_emb_proj(self.act(temb))[:, :, None, None]
-        h = self.conv2(self.act(self.norm2(h)))
-        return x + h
-
-
 class SmallUNet(nn.Module):
     """conv_in, `blocks` ResNet blocks, a stride-2 conv to twice the channels, `blocks` blocks,
     upsampling and a conv back plus the skip, `blocks` blocks, GroupNorm + SiLU + conv_out; the
@@ -265,8 +246,11 @@ class SmallUNet(nn.Module):
             nn.Linear(channels, emb), nn.SiLU(), nn.Linear(emb, emb)
         )
         self.conv_in = nn.Conv2d(3, channels, 3, padding=1)
+        # diffusers' ResnetBlock2D (in = out channels), the bench's: the projected time embedding
+        # is added before norm2, which fuse folds into GroupNormAct's shift
+        block = unet_resnet_block_class()
         self.down_blocks, self.mid_blocks, self.up_blocks = (
-            nn.ModuleList(ResnetBlock(width, emb, groups) for _ in range(blocks))
+            nn.ModuleList(block(width, emb, groups) for _ in range(blocks))
             for width in (channels, 2 * channels, channels)
         )
         self.down = nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1)

@@ -190,6 +190,12 @@ def gn_resnet_blocks(workload: ModelWorkload) -> torch.nn.Module:
     return _gn_module_classes()["GNResnetBlocks"](workload.input_shape[1])
 
 
+def unet_resnet_block_class() -> type:
+    """The diffusers-style ResNet block with a time embedding:
+    ``UNetResnetBlock(channels, temb_channels, groups)``, ``forward(x, temb)``."""
+    return _gn_module_classes()["UNetResnetBlock"]
+
+
 def unet_resnet_blocks(workload: ModelWorkload) -> torch.nn.Module:
     """GN_BLOCKS diffusers-style ResNet blocks with a time embedding (batch: the workload's)."""
     channels, batch = workload.input_shape[1], workload.input_shape[0]
