@@ -747,6 +747,28 @@ def test_compile_fullgraph_matches_eager(kernels):
     assert int(compiled_model.bn.num_batches_tracked) == 3
 
 
+def test_compiled_batch_norm_compiles_once():
+    """A batch norm module compiled before any eager call (a class the module-tensors cache
+    has not seen) compiles one graph for its training steps: nothing traced guards on the
+    cache, which the first eager call would fill."""
+
+    class FreshBatchNorm(cnt.BatchNorm2d):  # a class no eager call has seen
+        pass
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), FreshBatchNorm(4))
+    compiled = torch.compile(model, backend="aot_eager")
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    for x in _inputs((2, 3, 6, 6), n=3):
+        compiled(x).sum().backward()
+    model(x)  # an eager call fills the cache: the compiled graph must still hold
+    compiled(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert int(model[1].num_batches_tracked) == 5
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------------
 # packaging of the torch adapter
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ def _module_tensors(module: torch.nn.Module) -> list:
     ``_parameters`` or ``_buffers`` (~0.4 us each, five per training call); they are read there
     directly unless something else may answer: a class attribute (a parametrization's
     property, a subclass's), an instance attribute of the name, a class's own ``__getattr__``."""
+    if torch.compiler.is_compiling():  # traced once: no shortcut, and no guard on the cache
+        return [getattr(module, name) for name in _TENSOR_NAMES]
     cls = type(module)
     elsewhere = _ANSWERED_ELSEWHERE.get(cls)
     if elsewhere is None:
