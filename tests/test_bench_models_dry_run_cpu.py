@@ -244,7 +244,7 @@ def test_models_dry_run_end_to_end(
         assert model["host_us_without_norms"] > 0
         assert all(s["host_us_per_norm_layer"] is not None for s in eager)
         compiled = [s for s in model["steps"] if s["mode"] == "compile"]
-        assert all(s["setup_s"] is not None and s["reps"] == 2 for s in compiled)
+        assert all(s["setup_s"] is not None and s["reps"] == train.ROUNDS * 2 for s in compiled)
 
 
 def test_models_dry_run_every_mode(
@@ -439,8 +439,8 @@ def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.Mon
     _fake_eager_steps(monkeypatch, log)
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
-    monkeypatch.setattr(train, "EAGER_ROUNDS", 3)
-    results = train._run_eager_pair(None, None, None, steps=2)
+    monkeypatch.setattr(train, "ROUNDS", 3)
+    results = train._run_pair(None, None, None, "eager", steps=2)
     assert [(r.mode, r.impl, r.error) for r in results] == [
         ("eager", "torch", None),
         ("eager", "cupynorm", None),
@@ -466,7 +466,7 @@ def test_eager_steps_one_after_the_other_when_both_do_not_fit(
         return bench.StepResult(mode=mode, impl=impl, ms=1.0)
 
     monkeypatch.setattr(train, "_run_step_safely", run_step_safely)
-    results = train._run_eager_safely(None, None, None, steps=2)
+    results = train._run_pair_safely(None, None, None, "eager", steps=2)
     assert alone == [("eager", "torch"), ("eager", "cupynorm")]
     assert [(r.impl, r.ms) for r in results] == [("torch", 1.0), ("cupynorm", 1.0)]
     assert "timed one after the other" in capsys.readouterr().err
@@ -486,7 +486,7 @@ def test_a_failing_eager_cell_leaves_the_other(
         return real(base, workload, batch, mode, impl, result)
 
     monkeypatch.setattr(train, "_built_step", built_step)
-    torch_result, cupynorm_result = train._run_eager_pair(None, None, None, steps=2)
+    torch_result, cupynorm_result = train._run_pair(None, None, None, "eager", steps=2)
     assert torch_result.error is None and torch_result.ms is not None
     assert cupynorm_result.error == "ValueError: cannot convert" and cupynorm_result.ms is None
     assert set(log) == {"torch"}

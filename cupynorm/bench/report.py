@@ -368,14 +368,14 @@ def format_models_notes(results: Sequence[ModelResult], gpu_name: str) -> str:
         f"GPU: {gpu_name}",
         "Models: whole training steps (zero_grad, forward, loss, backward, SGD step), torch's "
         "norm layers vs cupynorm.torch.fuse, same initial weights and batch. "
-        "step ms: median over steps, CUDA events around whole steps, after warm-up; vs torch: "
+        "step ms: median over steps, CUDA events around whole steps, after warm-up, torch's and "
+        "cupynorm's steps timed in rounds that alternate them; vs torch: "
         "torch's step ms / this row's, same mode. graphed: the whole step captured in one CUDA "
         "graph (torch.cuda.graph) and replayed; compile: torch.compile(model), default mode; "
         'reduce-overhead: torch.compile(model, mode="reduce-overhead") (Inductor\'s CUDA '
         "graphs; loss and optimizer eager).",
-        "Eager rows: torch's and cupynorm's steps timed in rounds that alternate them, their "
-        "issue times interleaved alike; kernel ms / norm ms = GPU kernel time per step, all "
-        "kernels / norm kernels "
+        "Eager rows: issue times interleaved alike; kernel ms / norm ms = GPU kernel time per "
+        "step, all kernels / norm kernels "
         "(torch.profiler); host us = wall time to issue one step with the device idle; host "
         "us/norm layer = (host us - host us of the same model with its norm layers replaced by "
         "nn.Identity) / norm layers, the host time of one norm layer's forward + backward; norm "

@@ -30,9 +30,9 @@ For each model workload, in one process, from the same initial weights and on th
    A mode that cannot run (a capture refused, a compile error) is that cell's error, the other
    cells and the row go on; `--no-compile` leaves out both compiled modes.
    Step time: the median of several steps, CUDA events around each whole step, after warm-up
-   steps (compiling / capturing happens there and is reported apart). The two eager steps are
-   built together and timed in alternating rounds (`EAGER_ROUNDS`); should both not fit in
-   device memory at once, one after the other, as the other modes. In eager mode also:
+   steps (compiling / capturing happens there and is reported apart). In every mode the two
+   steps are built (compiled, captured) together and timed in alternating rounds (`ROUNDS`);
+   should both not fit in device memory at once, one after the other. In eager mode also:
    GPU kernel time and norm-kernel time per step and kernel launches per norm layer, from
    `torch.profiler` over a few steps; and host time to issue one step (wall time of the Python
    call, the device idle before it, no synchronization inside it), once more for the model with
@@ -91,11 +91,12 @@ STEPS_QUICK = 5
 WARMUP_STEPS = 3  # before timing; the compile mode compiles in the first of them
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before the capture
 HOST_STEPS = 9  # eager steps whose issue time is measured (median)
-# The eager steps of torch and of cupynorm are timed in rounds that alternate them (in reversed
-# order every other round), their issue times interleaved the same way: both are host-bound at
-# small batches, and a host's speed drifts within a run (resnet50 batch 64 on one H200: the same
-# code measured 0.54x and 0.86x of torch's step when each was timed in one block).
-EAGER_ROUNDS = 3
+# The steps of torch and of cupynorm are timed in rounds that alternate them (in reversed order
+# every other round), eager issue times interleaved the same way: both are host-bound at small
+# batches, compiled or not, and a host's speed drifts within a run (resnet50 batch 64 on one
+# H200: the same eager code measured 0.54x and 0.86x of torch's step when each was timed in one
+# block; on one H100 two identical compiled graphs 0.79x).
+ROUNDS = 3
 PROFILE_STEPS = 2  # eager steps under torch.profiler
 # torch.compile(model, **COMPILE_OPTIONS): the default mode.
 COMPILE_OPTIONS: dict[str, Any] = {}
@@ -305,19 +306,23 @@ def _record_profile(result: StepResult, step: Callable[[], object]) -> None:
     result.norm_kernel_ms_by_name = summary.norm_kernel_ms_by_name
 
 
-def _run_eager_pair(
+def _run_pair(
     base: torch.nn.Module,
     workload: ModelWorkload,
     batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
     steps: int,
 ) -> list[StepResult]:
-    """The eager step of each implementation, both built first, then timed in `EAGER_ROUNDS`
-    rounds of `steps` steps that alternate them (reversed every other round), their issue
-    times interleaved alike. A cell that fails is that cell's error; the other goes on alone.
-    Raises the device's out-of-memory error when both models do not fit at once."""
+    """The step of each implementation in `mode`, both built (compiled, captured) first, then
+    timed in `ROUNDS` rounds of `steps` steps that alternate them (reversed every other
+    round): a compiled step is host-paced at small batches as an eager one is, and timed one
+    after the other the second of two identical compiled graphs measured up to 0.79x of the
+    first (resnet50 b64, H100). Eager steps also get their issue times (interleaved alike),
+    peak memory and kernel profile. A cell that fails is that cell's error; the other goes on
+    alone. Raises the device's out-of-memory error when both do not fit at once."""
     import torch
 
-    results = {impl: StepResult(mode=MODE_EAGER, impl=impl) for impl in MODEL_IMPLS}
+    results = {impl: StepResult(mode=mode, impl=impl) for impl in MODEL_IMPLS}
     live: dict[str, Callable[[], object]] = {}
 
     def fail(impl: str, exc: Exception) -> None:
@@ -327,7 +332,7 @@ def _run_eager_pair(
 
     for impl in MODEL_IMPLS:
         try:
-            live[impl] = _built_step(base, workload, batch, MODE_EAGER, impl, results[impl])
+            live[impl] = _built_step(base, workload, batch, mode, impl, results[impl])
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as exc:  # noqa: BLE001 - one failing cell must not stop the other
@@ -339,50 +344,53 @@ def _run_eager_pair(
         order = [impl for impl in MODEL_IMPLS if impl in live]
         return order if index % 2 == 0 else order[::-1]
 
-    for r in range(EAGER_ROUNDS):
+    for r in range(ROUNDS):
         for impl in alternating(r):
             try:
                 warmup = WARMUP_STEPS if r == 0 else 1
                 times[impl] += time_cuda_ms(live[impl], reps=steps, warmup=warmup)
             except Exception as exc:  # noqa: BLE001
                 fail(impl, exc)
-    for i in range(HOST_STEPS):
-        for impl in alternating(i):
-            try:
-                issue[impl].append(_issue_us(live[impl]))
-            except Exception as exc:  # noqa: BLE001
-                fail(impl, exc)
+    if mode == MODE_EAGER:
+        for i in range(HOST_STEPS):
+            for impl in alternating(i):
+                try:
+                    issue[impl].append(_issue_us(live[impl]))
+                except Exception as exc:  # noqa: BLE001
+                    fail(impl, exc)
     for impl, step in list(live.items()):
         result = results[impl]
         try:
             _record_times(result, times[impl])
-            result.host_us = statistics.median(issue[impl])
-            result.peak_extra_bytes = _peak_extra_bytes(step)
-            _record_profile(result, step)
+            if mode == MODE_EAGER:
+                result.host_us = statistics.median(issue[impl])
+                result.peak_extra_bytes = _peak_extra_bytes(step)
+                _record_profile(result, step)
         except Exception as exc:  # noqa: BLE001
             fail(impl, exc)
     return [results[impl] for impl in MODEL_IMPLS]
 
 
-def _run_eager_safely(
+def _run_pair_safely(
     base: torch.nn.Module,
     workload: ModelWorkload,
     batch: tuple[torch.Tensor, torch.Tensor],
+    mode: str,
     steps: int,
 ) -> list[StepResult]:
-    """`_run_eager_pair`; when both models do not fit in device memory at once, each eager
-    step alone (`_run_step_safely`). Device memory freed after."""
+    """`_run_pair`; when both do not fit in device memory at once, each step alone
+    (`_run_step_safely`). Device memory (and compiled graphs) freed after."""
     import torch
 
     try:
-        results = _run_eager_pair(base, workload, batch, steps)
+        results = _run_pair(base, workload, batch, mode, steps)
     except torch.cuda.OutOfMemoryError:
-        _progress("    both eager models do not fit at once: timed one after the other")
+        _progress(f"    both {mode} models do not fit at once: timed one after the other")
         results = None
     _release_memory_reporting_failure()
     if results is None:
         results = [
-            _run_step_safely(base, workload, batch, MODE_EAGER, impl, steps) for impl in MODEL_IMPLS
+            _run_step_safely(base, workload, batch, mode, impl, steps) for impl in MODEL_IMPLS
         ]
     return results
 
@@ -477,13 +485,7 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
     modes = [MODE_EAGER, MODE_GRAPHED] + (list(COMPILED_MODES) if context.compile_enabled else [])
     for mode in modes:
-        if mode == MODE_EAGER:
-            step_results = _run_eager_safely(base, workload, batch, steps)
-        else:
-            step_results = [
-                _run_step_safely(base, workload, batch, mode, impl, steps) for impl in MODEL_IMPLS
-            ]
-        for step_result in step_results:
+        for step_result in _run_pair_safely(base, workload, batch, mode, steps):
             _progress(_step_line(step_result))
             result.steps.append(step_result)
     return result

@@ -63,7 +63,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--steps", type=positive_int, default=20, help="timed steps (default 20)")
     model.add_argument("--compile", action="store_true", help="also the torch.compile'd step")
     model.add_argument("--top", type=positive_int, default=12, help="kernels listed (default 12)")
-    model.add_argument("--cprofile", action="store_true", help="cProfile of cupynorm's step")
+    model.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="cProfile of the steps (eager; compiled too with --compile)",
+    )
 
     calls = command("calls", "host µs per public functional call, CuPy / torch / JAX (GPU)")
     calls.add_argument(

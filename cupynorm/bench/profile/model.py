@@ -302,9 +302,10 @@ def _print_host(steps: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _print_compiled(
-    workload: ModelWorkload, variants: dict[str, Any], batch: Any, top: int
+    workload: ModelWorkload, variants: dict[str, Any], batch: Any, top: int, cprofile: bool
 ) -> None:
-    """The compiled step of torch's and cupynorm's model: time, breaks, kernels."""
+    """The compiled step of torch's and cupynorm's model: time, breaks, graphs, kernels (and
+    with `cprofile` where its host time goes)."""
     import torch
 
     from cupynorm.bench import timing
@@ -318,6 +319,7 @@ def _print_compiled(
         step()
         torch.cuda.synchronize()
         breaks = torch._dynamo.utils.counters["graph_break"]
+        graphs = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
         ms = statistics.median(timing.time_cuda_ms(step, reps=10, warmup=3))
         _fastest, issue = _issue_us(step, 10)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as host:
@@ -336,8 +338,11 @@ def _print_compiled(
         print(
             f"\n== compiled, {name}: {ms:.2f} ms/step, issue {issue:.0f} µs, kernels "
             f"{sum(v[0] for v in per_name.values()) / 1e3:.2f} ms in {len(events) / 3:.0f} "
-            f"launches, graph breaks {sum(breaks.values())}, cupynorm op calls {len(ops)}"
+            f"launches, graph breaks {sum(breaks.values())}, graphs compiled {graphs}, "
+            f"cupynorm op calls {len(ops)}"
         )
+        if cprofile:
+            print_cprofile(step, 5, f"the compiled {name} step", top=15)
         for reason, count in list(breaks.items())[:5]:
             print(f"   break x{count}: {str(reason)[:150]}")
         heaviest = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
@@ -376,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
     _print_host(steps, args)
     if args.cprofile:
         print_cprofile(steps["cupynorm"], 5, "cupynorm's training step")
+        print_cprofile(steps["torch"], 5, "torch's training step")
     if args.compile:
-        _print_compiled(workload, variants, batch, args.top)
+        _print_compiled(workload, variants, batch, args.top, args.cprofile)
     return 0
