@@ -63,6 +63,7 @@ def test_help_lists_the_subcommands(capsys) -> None:
 @pytest.mark.parametrize("argv", [["stack"], ["model"], ["calls"], ["kernels", "layernorm_bf16"]])
 def test_gpu_subcommands_without_a_gpu_exit_2(argv, monkeypatch, capsys) -> None:
     monkeypatch.setattr(common, "cuda_problem", lambda: "a CUDA GPU is needed (test)")
+    monkeypatch.setattr(common, "cupy_cuda_problem", lambda: "a CUDA GPU is needed (test)")
     assert main(["profile", *argv]) == 2
     assert capsys.readouterr().err == f"cupynorm profile {argv[0]}: a CUDA GPU is needed (test)\n"
 
@@ -250,3 +251,23 @@ def test_fake_device_leaves_no_launcher_in_the_cache(capsys) -> None:
     before = _compile.launcher.cache_info().currsize
     assert main(["profile", "cpu", "--family", "ln", "--layers", "2", "--steps", "3"]) == 0
     assert _compile.launcher.cache_info().currsize == before
+
+
+def test_calls_by_hand_norms_are_torchs() -> None:
+    """The hand-written CuPy norms `profile calls` checks cupynorm against (and times) compute
+    what torch's functional does: run on NumPy arrays (the same array methods)."""
+    torch = pytest.importorskip("torch")
+    np = pytest.importorskip("numpy")
+    from cupynorm.bench.profile import calls
+
+    by_name = {case.name: case for case in calls.cases()}
+    assert [name.split("(")[0] for name in by_name] == [
+        "group_norm", "instance_norm", "batch_norm", "layer_norm", "rms_norm", "layer_norm2d"
+    ]  # fmt: skip
+    rng = np.random.default_rng(0)
+    for case in by_name.values():
+        a = rng.standard_normal((3, 16, 5, 4) if len(case.shapes[0]) == 4 else (6, 40))
+        a = (a * 3 + 1).astype(np.float64)
+        expected = case.torch_call(torch.from_numpy(a)).numpy()
+        np.testing.assert_allclose(case.by_hand(a), expected, rtol=1e-6, atol=1e-6)
+        assert all(len(shape) == len(case.shapes[0]) for shape in case.shapes)

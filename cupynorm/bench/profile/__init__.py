@@ -8,15 +8,17 @@ torch's (development tool; the bench measures, this explains).
            per norm layer, its phases, the norm layers' forward and backward nodes, the CUDA API
            calls, synchronizing operations; --compile: the compiled step's graph breaks and
            heaviest kernels
-  calls    host µs per call of the public functional (cupynorm.*) on CuPy arrays, torch tensors
-           and JAX arrays, beside cupynorm.torch's module and torch's own call
+  calls    µs per call of each public function (cupynorm.*) on CuPy arrays, torch tensors and
+           JAX arrays, small and large inputs, beside cupynorm.torch's module and torch's own
+           call; GPU µs per call beside the same norm written by hand in CuPy (runs without
+           torch)
   cpu      the stacks (or a resnet50-shaped model) on the CPU with faked launches: cupynorm's
            host path measured without a GPU
   kernels  a torch.profiler kernel table of one bench workload: each kernel's µs and launches
            per call, torch eager, torch.compile and cupynorm
 
-Every subcommand but `cpu` needs a CUDA GPU. Numbers come with no pass or fail: the findings
-go to benchmarks/NOTES.md.
+Every subcommand but `cpu` needs a CUDA GPU, and all but `calls` PyTorch. Numbers come with no
+pass or fail: the findings go to benchmarks/NOTES.md.
 """
 
 from __future__ import annotations
@@ -69,10 +71,15 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         help="cProfile of the steps (eager; compiled too with --compile)",
     )
 
-    calls = command("calls", "host µs per public functional call, CuPy / torch / JAX (GPU)")
-    calls.add_argument(
-        "--calls", type=positive_int, default=2000, help="calls per case (default 2000)"
+    calls = command(
+        "calls",
+        "µs per public functional call on CuPy / torch / JAX, GPU µs beside CuPy by hand (GPU; "
+        "torch and JAX optional)",
     )
+    calls.add_argument(
+        "--calls", type=positive_int, default=2000, help="calls per small case (default 2000)"
+    )
+    calls.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
     kernels = command("kernels", "kernel table of one bench workload, torch.profiler (GPU)")
     kernels.add_argument(
@@ -87,11 +94,11 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_profile(args: argparse.Namespace) -> int:
     """Run a parsed `profile` command; 0 done, 2 no GPU (or torch) or a bad name."""
-    from .common import ProfileError, cuda_problem
+    from .common import ProfileError, cuda_problem, cupy_cuda_problem
 
     name = args.profile_command
     if name != "cpu":
-        problem = cuda_problem()
+        problem = cupy_cuda_problem() if name == "calls" else cuda_problem()
         if problem is not None:
             print(f"cupynorm profile {name}: {problem}", file=sys.stderr)
             return 2

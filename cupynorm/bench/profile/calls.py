@@ -1,26 +1,136 @@
-"""`profile calls`: host µs per call of the public functional (`cupynorm.*`) on CuPy arrays,
-torch tensors and JAX arrays, beside the `cupynorm.torch` module and torch's own call.
+"""`profile calls`: what a call of the public functional (`cupynorm.*`) costs, on CuPy arrays,
+torch tensors and JAX arrays, beside the `cupynorm.torch` module, torch's own call and the same
+norm written by hand with CuPy's reductions.
 
-Back-to-back calls with no grad on small inputs (the GPU time is negligible), the median of 5
-blocks; each case's result is first compared with torch's. JAX is optional (a column of "-"
-without it). Prints a markdown table.
+For each public function, on a small input (host-paced: the GPU time is a few µs) and a large one
+(GPU-paced), no grad:
+
+- µs per call, calls back to back (the median of 5 blocks): on a CuPy array, on a torch tensor
+  through `cupynorm.*`, through the `cupynorm.torch` module, torch's own functional, on a JAX
+  array (the DLPack exchange both ways included);
+- GPU µs per call of cupynorm's kernels and of the hand-written CuPy norm
+  (`cupyx.profiler.benchmark`: CUDA events around each call, so on a small input the gaps
+  between one call's launches count too).
+
+Each cupynorm result is first compared with the hand-written CuPy norm (and torch's call). Runs
+without torch (CuPy columns only) and without JAX; needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .common import format_table
 
-IMAGE, ROWS = (8, 64, 32, 32), (4096, 768)
+EPS = 1e-5
+IMAGE_SMALL, IMAGE_LARGE = (8, 64, 32, 32), (16, 64, 128, 128)
+ROWS_SMALL, ROWS_LARGE = (4096, 768), (8192, 4096)
 
 
+# ---- the norms written by hand with CuPy's reductions (float32 in, float32 out) ---------------
+# (array methods and operators only: the same code runs on NumPy arrays, as the CPU tests do)
+def _standardize(v: Any, axes: tuple[int, ...]) -> Any:
+    mean = v.mean(axis=axes, keepdims=True)
+    var = v.var(axis=axes, keepdims=True)
+    return (v - mean) * (var + EPS) ** -0.5
+
+
+def _group_norm_cupy(a: Any, groups: int = 8) -> Any:
+    v = a.reshape(a.shape[0], groups, -1)
+    return _standardize(v, (2,)).reshape(a.shape)
+
+
+def _instance_norm_cupy(a: Any) -> Any:
+    return _standardize(a, tuple(range(2, a.ndim)))
+
+
+def _batch_norm_cupy(a: Any) -> Any:
+    return _standardize(a, (0, *range(2, a.ndim)))
+
+
+def _layer_norm_cupy(a: Any) -> Any:
+    return _standardize(a, (a.ndim - 1,))
+
+
+def _rms_norm_cupy(a: Any) -> Any:
+    return a * ((a * a).mean(axis=-1, keepdims=True) + EPS) ** -0.5
+
+
+def _layer_norm2d_cupy(a: Any) -> Any:
+    return _standardize(a, (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One public function: its calls on each library, and its inputs' shapes."""
+
+    name: str
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]  # small, large
+    call: Callable[[Any], Any]  # cupynorm's call on any array
+    by_hand: Callable[[Any], Any]  # the hand-written CuPy norm
+    torch_call: Callable[[Any], Any] | None = None  # torch's own functional (given torch)
+    module: Callable[[int], Any] | None = None  # the cupynorm.torch module of C / row features
+
+
+def cases() -> list[Case]:
+    """Every public norm function of `cupynorm` (the activation and residual forms are the same
+    calls with an epilogue)."""
+    import cupynorm
+
+    def torch_functional(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
+        def call(t: Any) -> Any:
+            import torch.nn.functional as F
+
+            return getattr(F, name)(t, *args, **kwargs)
+
+        return call
+
+    def module(name: str, *args: Any, **kwargs: Any) -> Callable[[int], Any]:
+        def make(features: int) -> Any:
+            import cupynorm.torch as cnt
+
+            return getattr(cnt, name)(*args(features), **kwargs).cuda()
+
+        return make
+
+    def layer_norm2d_torch(t: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.layer_norm(t.permute(0, 2, 3, 1), (t.shape[1],), eps=EPS).permute(0, 3, 1, 2)
+
+    return [
+        Case("group_norm(x, 8)", (IMAGE_SMALL, IMAGE_LARGE), lambda a: cupynorm.group_norm(a, 8),
+             _group_norm_cupy, torch_functional("group_norm", 8),
+             module("GroupNorm", lambda c: (8, c), affine=False)),
+        Case("instance_norm(x)", (IMAGE_SMALL, IMAGE_LARGE), cupynorm.instance_norm,
+             _instance_norm_cupy, torch_functional("instance_norm"),
+             module("InstanceNorm2d", lambda c: (c,))),
+        Case("batch_norm(x, training=True)", (IMAGE_SMALL, IMAGE_LARGE),
+             lambda a: cupynorm.batch_norm(a, None, None, training=True), _batch_norm_cupy,
+             torch_functional("batch_norm", None, None, training=True),
+             module("BatchNorm2d", lambda c: (c,), affine=False, track_running_stats=False)),
+        Case("layer_norm(x, (C,))", (ROWS_SMALL, ROWS_LARGE),
+             lambda a: cupynorm.layer_norm(a, (a.shape[-1],)), _layer_norm_cupy,
+             lambda t: torch_functional("layer_norm", (t.shape[-1],))(t),
+             module("LayerNorm", lambda c: (c,), elementwise_affine=False)),
+        Case("rms_norm(x, (C,), eps=1e-5)", (ROWS_SMALL, ROWS_LARGE),
+             lambda a: cupynorm.rms_norm(a, (a.shape[-1],), eps=EPS), _rms_norm_cupy,
+             lambda t: torch_functional("rms_norm", (t.shape[-1],), eps=EPS)(t),
+             module("RMSNorm", lambda c: (c,), eps=EPS, elementwise_affine=False)),
+        Case("layer_norm2d(x)", (IMAGE_SMALL, IMAGE_LARGE), cupynorm.layer_norm2d,
+             _layer_norm2d_cupy, layer_norm2d_torch),
+    ]  # fmt: skip
+
+
+# ---- timing ------------------------------------------------------------------------------------
 def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
     """µs per call of `fn` called back to back: the median of 5 blocks."""
-    for _ in range(50):
+    for _ in range(min(50, calls)):
         fn()
     sync()
     blocks = []
@@ -28,81 +138,127 @@ def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> f
         started = time.perf_counter()
         for _ in range(max(1, calls // 5)):
             fn()
-        blocks.append((time.perf_counter() - started) / max(1, calls // 5) * 1e6)
         sync()
+        blocks.append((time.perf_counter() - started) / max(1, calls // 5) * 1e6)
     return sorted(blocks)[2]
 
 
-def cases() -> list[tuple[str, tuple[int, ...], Any, Any, Any]]:
-    """(label, shape, cupynorm's call, torch's call, maker of the cupynorm.torch module or
-    None)."""
-    import torch.nn.functional as F
-
-    import cupynorm
-    import cupynorm.torch as cnt
-
-    def ln2d(t: Any) -> Any:
-        return F.layer_norm(t.permute(0, 2, 3, 1), (t.shape[1],)).permute(0, 3, 1, 2)
-
-    return [
-        ("GroupNorm(8) 8x64x32x32 fp32", IMAGE, lambda a: cupynorm.group_norm(a, 8),
-         lambda t: F.group_norm(t, 8), lambda: cnt.GroupNorm(8, 64, affine=False)),
-        ("LayerNorm 4096x768 fp32", ROWS, lambda a: cupynorm.layer_norm(a, (768,)),
-         lambda t: F.layer_norm(t, (768,)), lambda: cnt.LayerNorm(768, elementwise_affine=False)),
-        ("RMSNorm 4096x768 fp32", ROWS, lambda a: cupynorm.rms_norm(a, (768,)),
-         lambda t: F.rms_norm(t, (768,)), lambda: cnt.RMSNorm(768, elementwise_affine=False)),
-        ("InstanceNorm 8x64x32x32 fp32", IMAGE, lambda a: cupynorm.instance_norm(a),
-         F.instance_norm, lambda: cnt.InstanceNorm2d(64)),
-        ("BatchNorm train 8x64x32x32 fp32", IMAGE,
-         lambda a: cupynorm.batch_norm(a, None, None, training=True),
-         lambda t: F.batch_norm(t, None, None, training=True), None),
-        ("LayerNorm2d 8x64x32x32 fp32", IMAGE, lambda a: cupynorm.layer_norm2d(a), ln2d, None),
-    ]  # fmt: skip
-
-
-def _row(case: tuple[str, Any, Any, Any, Any], jnp: Any, calls: int) -> list[Any]:
-    """One case's cells: checked against torch's call first, then timed."""
+def gpu_us(fn: Callable[[], object], calls: int) -> float:
+    """Median GPU µs of one call (CUDA events around each, `cupyx.profiler.benchmark`)."""
     import cupy
-    import torch
+    from cupyx.profiler import benchmark
 
-    label, shape, call, torch_call, make_module = case
-    sync = torch.cuda.synchronize
+    times = benchmark(fn, n_repeat=max(10, calls // 10), n_warmup=10).gpu_times[0]
+    return float(cupy.asnumpy(cupy.median(cupy.asarray(times)))) * 1e6
+
+
+def _calls_for(shape: tuple[int, ...], calls: int) -> int:
+    """Fewer calls on a large input (each is GPU-paced): ~the same GPU seconds per case."""
+    elements = 1
+    for d in shape:
+        elements *= d
+    return max(20, min(calls, calls * 2_000_000 // elements))
+
+
+def _row(case: Case, size: int, torch: Any, jnp: Any, calls: int) -> dict[str, Any]:
+    """One case on one input: checked, then timed; a column whose library is missing is None."""
+    import cupy
+
+    shape = case.shapes[size]
+    calls = _calls_for(shape, calls)
+
+    def sync() -> None:
+        cupy.cuda.Device().synchronize()
+
     a = cupy.random.standard_normal(shape, dtype=cupy.float32)
-    t = torch.from_dlpack(a)
-    expected = torch_call(t)
-    torch.testing.assert_close(torch.from_dlpack(call(a)), expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(call(t), expected, rtol=1e-4, atol=1e-4)
-    module = make_module().cuda() if make_module is not None else None
-    on_jax = None
+    expected = case.by_hand(a)
+    cupy.testing.assert_allclose(case.call(a), expected, rtol=1e-4, atol=1e-4)
+    row: dict[str, Any] = {
+        "call": case.name,
+        "shape": "x".join(map(str, shape)),
+        "cupy_us": host_us(lambda: case.call(a), calls, sync),
+        "torch_tensor_us": None,
+        "module_us": None,
+        "torch_own_us": None,
+        "jax_us": None,
+        "kernels_gpu_us": gpu_us(lambda: case.call(a), calls),
+        "cupy_by_hand_gpu_us": gpu_us(lambda: case.by_hand(a), calls),
+    }
+    if torch is not None:
+        t = torch.from_dlpack(a)
+        cupy.testing.assert_allclose(cupy.from_dlpack(case.call(t)), expected, 1e-4, 1e-4)
+        row["torch_tensor_us"] = host_us(lambda: case.call(t), calls, sync)
+        if case.torch_call is not None:
+            cupy.testing.assert_allclose(
+                cupy.from_dlpack(case.torch_call(t)), expected, rtol=1e-4, atol=1e-4
+            )
+            row["torch_own_us"] = host_us(lambda: case.torch_call(t), calls, sync)
+        if case.module is not None:
+            module = case.module(shape[1] if len(shape) > 2 else shape[-1])
+            row["module_us"] = host_us(lambda: module(t), calls, sync)
     if jnp is not None:
-        xj = jnp.asarray(a.get())
-        on_jax = host_us(lambda: call(xj), max(1, calls // 4), sync)
-    return [
-        label,
-        host_us(lambda: call(a), calls, sync),
-        host_us(lambda: call(t), calls, sync),
-        None if module is None else host_us(lambda: module(t), calls, sync),
-        host_us(lambda: torch_call(t), calls, sync),
-        on_jax,
-    ]
+        xj = jnp.asarray(cupy.asnumpy(a))
+        row["jax_us"] = host_us(lambda: case.call(xj), max(20, calls // 4), sync)
+    return row
 
 
-def run(args: argparse.Namespace) -> int:
-    """`profile calls`."""
+COLUMNS = {
+    "call": "call",
+    "shape": "input (fp32)",
+    "cupy_us": "CuPy array",
+    "torch_tensor_us": "torch tensor via cupynorm.*",
+    "module_us": "cupynorm.torch module",
+    "torch_own_us": "torch's own",
+    "jax_us": "JAX array",
+    "kernels_gpu_us": "GPU: cupynorm",
+    "cupy_by_hand_gpu_us": "GPU: by hand in CuPy",
+}
+
+
+def measure(calls: int) -> tuple[str, list[dict[str, Any]]]:
+    """(a line naming the setup, a row per case and input size)."""
     import cupy
-    import torch
 
+    try:
+        import torch
+    except ImportError:
+        torch = None
     try:
         import jax.numpy as jnp
     except ImportError:
         jnp = None
-    with torch.no_grad():
-        rows = [_row(case, jnp, args.calls) for case in cases()]
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    versions = [f"CuPy {cupy.__version__}"]
+    if torch is not None:
+        versions.append(f"torch {torch.__version__}")
+    if jnp is not None:
+        import jax
+
+        versions.append(f"JAX {jax.__version__}")
+    rows = []
+    for case in cases():
+        for size in (0, 1):
+            if torch is None:
+                rows.append(_row(case, size, None, jnp, calls))
+                continue
+            with torch.no_grad():
+                rows.append(_row(case, size, torch, jnp, calls))
+    return f"{name}, {', '.join(versions)}", rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    return format_table(list(COLUMNS.values()), [[r[k] for k in COLUMNS] for r in rows], left=2)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`profile calls`."""
+    setup, rows = measure(args.calls)
     print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CuPy {cupy.__version__}: "
-        "µs per call, back to back, no grad, median of 5 blocks"
+        f"{setup}: µs per call, back to back, no grad, median of 5 blocks; GPU: median µs of "
+        "one call's kernels (events around each call)"
     )
-    columns = ["call", "CuPy array", "torch tensor via cupynorm.*", "cupynorm.torch module",
-               "torch's own", "JAX array"]  # fmt: skip
-    print(format_table(columns, rows))
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "rows": rows}, f, indent=1)
     return 0

@@ -81,6 +81,19 @@ def floor_layer_class() -> type:
     return FloorLayer
 
 
+def cupy_cuda_problem() -> str | None:
+    """Why a subcommand that needs only CuPy and a GPU cannot run here, or None."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"CuPy is needed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver, no runtime: the same answer
+        return f"a CUDA GPU is needed ({type(exc).__name__}: {exc})"
+    return None if count else "a CUDA GPU is needed (CuPy sees none)"
+
+
 def cuda_problem() -> str | None:
     """Why a GPU subcommand cannot run here, or None."""
     try:
