@@ -90,11 +90,11 @@ def cases() -> list[Case]:
 
         return call
 
-    def module(name: str, *args: Any, **kwargs: Any) -> Callable[[int], Any]:
+    def module(name: str, arguments: Callable[[int], tuple], **kwargs: Any) -> Callable[[int], Any]:
         def make(features: int) -> Any:
             import cupynorm.torch as cnt
 
-            return getattr(cnt, name)(*args(features), **kwargs).cuda()
+            return getattr(cnt, name)(*arguments(features), **kwargs).cuda()
 
         return make
 
@@ -145,11 +145,11 @@ def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> f
 
 def gpu_us(fn: Callable[[], object], calls: int) -> float:
     """Median GPU µs of one call (CUDA events around each, `cupyx.profiler.benchmark`)."""
-    import cupy
+    import numpy
     from cupyx.profiler import benchmark
 
     times = benchmark(fn, n_repeat=max(10, calls // 10), n_warmup=10).gpu_times[0]
-    return float(cupy.asnumpy(cupy.median(cupy.asarray(times)))) * 1e6
+    return float(numpy.median(times)) * 1e6
 
 
 def _calls_for(shape: tuple[int, ...], calls: int) -> int:
