@@ -239,6 +239,38 @@ def test_report_reads_the_older_files(tmp_path: Path, capsys) -> None:
     assert "| cupynorm SyncBatchNorm |" in page
 
 
+def test_report_renders_the_per_call_tables(tmp_path: Path, capsys) -> None:
+    """`profile calls --json` files (with torch, and CuPy alone) add a table each, after the
+    model rows, with their setup and date; a missing library's column is "-"."""
+    from cupynorm.bench.profile import calls
+
+    def row(name: str, torch_us: float | None) -> dict:
+        cells = dict.fromkeys(calls.COLUMNS, None)
+        cells.update(call=name, shape="8x64x32x32", cupy_us=16.5, kernels_gpu_us=21.1)
+        cells.update(cupy_by_hand_gpu_us=304.8, torch_tensor_us=torch_us, torch_own_us=torch_us)
+        return cells
+
+    full = {"setup": "GPU X, CuPy 14", "date": "2026-11-27T06:48:00+00:00",
+            "rows": [row("group_norm(x, 8)", 21.3)]}  # fmt: skip
+    alone = {"setup": "GPU X, CuPy 14", "rows": [row("group_norm(x, 8)", None)]}
+    files = [
+        _write(tmp_path, "m.json", _model_run()),
+        _write(tmp_path, "c.json", full),
+        _write(tmp_path, "c0.json", alone),
+    ]
+    assert main(["report", *files]) == 0
+    page = capsys.readouterr().out
+    section = _section(page, "## Per call: the public functional")
+    assert page.index("## Models") < page.index("## Per call")
+    assert "training step (measured: 2026-11-27, m.json)" in _section(page, "## Models")
+    assert "GPU X, CuPy 14, 2026-11-27 06:48:00 UTC (c.json):" in section
+    assert "GPU X, CuPy 14 (c0.json):" in section
+    assert (
+        "| group_norm(x, 8) | 8x64x32x32 | 16.5 | 21.3 | - | 21.3 | - | 21.1 | 304.8 |" in section
+    )
+    assert "| group_norm(x, 8) | 8x64x32x32 | 16.5 | - | - | - | - | 21.1 | 304.8 |" in section
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [("{not json", "Expecting property name"), ('{"rows": []}', "not a report of")],

@@ -4,7 +4,8 @@ A GPU run is split into several calls (`bench --json a.json --only kernels`, `be
 b.json --only models`, ...), so the page merges any number of files: rows are keyed by workload
 name, a later file's row replacing an earlier one's; the header names every GPU, date and version
 the files carry. Files written by scripts/bench_sync_batchnorm.py (the two-GPU SyncBatchNorm
-step) add a table of their own. Plain data in, text out: nothing here needs torch or a GPU.
+step) and by `python -m cupynorm profile calls --json` (the public functional's cost per call)
+add a table of their own. Plain data in, text out: nothing here needs torch or a GPU.
 
     python -m cupynorm bench --json run.json --markdown benchmarks/RESULTS.md
     python -m cupynorm report --markdown benchmarks/RESULTS.md kernels.json models.json sync.json
@@ -43,6 +44,7 @@ class Results:
     kernels: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     models: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     two_gpus: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # profile calls JSON
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
 
 
@@ -62,10 +64,13 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
         if _is_sync_rows(data):
             results.two_gpus.extend((source, row) for row in data)
             continue
+        if isinstance(data, dict) and "setup" in data and "rows" in data:
+            results.calls.append((source, data))
+            continue
         if not isinstance(data, dict) or not ("workloads" in data or "models" in data):
             raise ValueError(
-                f"{source}: not a report of `python -m cupynorm bench --json` nor rows of "
-                "scripts/bench_sync_batchnorm.py --json"
+                f"{source}: not a report of `python -m cupynorm bench --json`, rows of "
+                "scripts/bench_sync_batchnorm.py --json nor of `profile calls --json`"
             )
         results.runs.append((source, data))
         for key, rows in (("workloads", results.kernels), ("models", results.models)):
@@ -287,7 +292,11 @@ def _model_section(results: Results) -> list[str]:
     columns = ("model", "mode", "torch ms", "cupynorm ms", "vs torch",
                "host µs/norm layer torch", "host µs/norm layer cupynorm", "peak MiB torch",
                "peak MiB cupynorm", "goal / why")  # fmt: skip
-    titles = [f"- `{n}`: {m.get('title', '')}" for n, (_s, m) in results.models.items()]
+    dates = {source: str(run.get("date", ""))[:10] for source, run in results.runs}
+    titles = [
+        f"- `{n}`: {m.get('title', '')} (measured: {', '.join(filter(None, (dates[s], s)))})"
+        for n, (s, m) in results.models.items()
+    ]
     return [
         "## Models",
         "",
@@ -372,6 +381,29 @@ def _two_gpu_section(results: Results) -> list[str]:
     ]
 
 
+def _calls_section(results: Results) -> list[str]:
+    from .profile.calls import table
+
+    lines = [
+        "## Per call: the public functional",
+        "",
+        "`python -m cupynorm profile calls --json FILE`: µs per call of each public function, "
+        "called back to back with no grad (median of 5 blocks), on a small input (the host "
+        "paces it) and a large one (the GPU does); GPU: the median µs of one call's kernels, "
+        "CUDA events around each call, beside the same norm written by hand with CuPy's "
+        "reductions (each result checked against it first). A run without torch (or JAX) "
+        "leaves their columns empty.",
+    ]
+    for source, data in results.calls:
+        date = (
+            f", {data['date'].replace('T', ' ').replace('+00:00', ' UTC')}"
+            if "date" in data
+            else ""
+        )
+        lines += ["", f"{data['setup']}{date} ({source}):", "", table(data["rows"])]
+    return lines
+
+
 def render(results: Results) -> str:
     """The whole page."""
     lines = _header(results)
@@ -381,4 +413,6 @@ def render(results: Results) -> str:
         lines += ["", *_model_section(results)]
     if results.two_gpus:
         lines += ["", *_two_gpu_section(results)]
+    if results.calls:
+        lines += ["", *_calls_section(results)]
     return "\n".join(lines).rstrip() + "\n"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import time
 from collections.abc import Callable
@@ -259,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(table(rows))
     if args.json:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(args.json, "w") as f:
-            json.dump({"setup": setup, "rows": rows}, f, indent=1)
+            json.dump({"setup": setup, "date": date, "rows": rows}, f, indent=1)
     return 0
