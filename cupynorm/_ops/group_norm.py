@@ -98,6 +98,16 @@ _SEGMENT_ACT_KERNELS = {
 }
 
 
+def _backward_inputs(dy: Any, x: Any, param: Any) -> tuple:
+    """(call, dy, x, layout, N, C, S) of a group norm backward: the call typed by x and
+    ``param`` (weight, else bias) with dy's dtype as its out dtype, x prepared, dy laid out as x."""
+    call = _Call(x, param)
+    _set_out_dtype(call, call.bk.dtype_name(dy))
+    x, layout = _prepare(x, call.bk)
+    dy = _match_layout(call, dy, x)
+    return call, dy, x, layout, x.shape[0], x.shape[1], _plan.prod(tuple(x.shape[2:]))
+
+
 @_programmed
 def group_norm_bwd(
     dy: Any,
@@ -113,12 +123,7 @@ def group_norm_bwd(
     dweight and dbias come in the weight's dtype (float32/float64 accumulators when weight is None).
     dy in float32 beside a half-precision x: of the forward with that ``out_dtype``.
     """
-    call = _Call(x, weight)
-    _set_out_dtype(call, call.bk.dtype_name(dy))
-    x, layout = _prepare(x, call.bk)
-    dy = _match_layout(call, dy, x)
-    N, C = x.shape[0], x.shape[1]
-    S = _plan.prod(tuple(x.shape[2:]))
+    call, dy, x, layout, N, C, S = _backward_inputs(dy, x, weight)
     G = num_groups
     same_dtype = call.out_dtype is None  # the on-chip instance kernel reads dy in x's dtype
     if same_dtype and layout == "contiguous" and G == C and needs_input_grad[0] and N * C * S > 0:
@@ -151,12 +156,7 @@ def group_norm_act_bwd(
     With the forward's ``shift``, dx is the gradient of s = x + shift (also x's); the shift's
     own gradient, dx summed over the spatial dims, is the caller's to take. dy as in
     group_norm_bwd."""
-    call = _Call(x, weight if weight is not None else bias)
-    _set_out_dtype(call, call.bk.dtype_name(dy))
-    x, layout = _prepare(x, call.bk)
-    dy = _match_layout(call, dy, x)
-    N, C = x.shape[0], x.shape[1]
-    S = _plan.prod(tuple(x.shape[2:]))
+    call, dy, x, layout, N, C, S = _backward_inputs(dy, x, weight if weight is not None else bias)
     G = num_groups
     epilogue = Epilogue(act, None, bias) if act != "identity" else None
     # fmt: off
