@@ -199,10 +199,30 @@ def test_report_renders_every_group(tmp_path: Path, capsys) -> None:
     skipped = rows[("mobilenetv3_b64_bf16_cl", "-")]
     assert skipped[2] == "skipped" and skipped[-1] == "timm is not installed"
 
-    two_gpus = _section(page, "## Two GPUs")
+    two_gpus = _section(page, "## Several GPUs")
     rows = {row[0]: row for row in _rows(two_gpus).values()}
-    assert rows["cupynorm SyncBatchNorm"][1:] == ["2", "64", "87.3", "1466", "48.4", "1.17x"]
-    assert rows["torch SyncBatchNorm"][-1] == "1.00x"
+    assert rows["cupynorm SyncBatchNorm"][1:] == [
+        "2", "64", "87.3", "1466", "48.4", "1.17x", "2x NVIDIA H200 (sync.json)",
+    ]  # fmt: skip
+    assert rows["torch SyncBatchNorm"][-2] == "1.00x"
+
+
+def test_report_sync_rows_of_two_world_sizes_each_against_its_own_torch(
+    tmp_path: Path, capsys
+) -> None:
+    two = _sync_run()
+    four = _sync_run()
+    four["gpu"] = "4x NVIDIA H200"
+    four["sync_batchnorm"] = [
+        dict(row, world=4, ms_per_step=row["ms_per_step"] * 1.1) for row in four["sync_batchnorm"]
+    ]
+    four["sync_batchnorm"][1]["ms_per_step"] = 90.0
+    files = [_write(tmp_path, "two.json", two), _write(tmp_path, "four.json", four)]
+    assert main(["report", *files]) == 0
+    section = _section(capsys.readouterr().out, "## Several GPUs")
+    rows = {tuple(row[:2]): row for row in _rows(section).values()}
+    assert rows[("cupynorm SyncBatchNorm", "2")][6:] == ["1.17x", "2x NVIDIA H200 (two.json)"]
+    assert rows[("cupynorm SyncBatchNorm", "4")][6:] == ["1.25x", "4x NVIDIA H200 (four.json)"]
 
 
 def test_report_merges_runs_the_later_row_replacing(tmp_path: Path, capsys) -> None:
@@ -220,7 +240,7 @@ def test_report_merges_runs_the_later_row_replacing(tmp_path: Path, capsys) -> N
     assert list(rows) == ["batchnorm2d_train_fp32", "groupnorm32_fwdbwd_fp16", "layernorm_bf16"]
     assert rows["batchnorm2d_train_fp32"][3] == "7"  # b.json's
     assert "NVIDIA H100 80GB HBM3, copy 3.00 TB/s (a.json); NVIDIA H200, copy 4.20 TB/s" in page
-    assert "## Models" not in page and "## Two GPUs" not in page
+    assert "## Models" not in page and "## Several GPUs" not in page
 
 
 def test_report_reads_the_older_files(tmp_path: Path, capsys) -> None:
@@ -312,3 +332,30 @@ def test_bench_writes_the_page_of_its_run(cpu_dry_run, tmp_path: Path, capsys) -
     capsys.readouterr()
     assert main(["report", str(json_path)]) == 0
     assert capsys.readouterr().out == page
+
+
+def test_report_renders_the_convergence_runs(tmp_path: Path, capsys) -> None:
+    """scripts/convergence.py's JSON: one row per model with both implementations' final
+    losses, steady and whole-run times, the verdict; a skipped model says so."""
+
+    def run(impl: str, final: float, steady: float, wall: float) -> dict:
+        return {"impl": impl, "losses": [1.0, final], "final_loss": final,
+                "steady_ms_per_step": steady, "wall_s": wall}  # fmt: skip
+
+    result = {
+        "resnet18": {
+            "model": "resnet18", "steps": 1000, "device": "NVIDIA H100 80GB HBM3",
+            "runs": [run("torch", 0.52, 11.7, 20.7), run("torch", 0.5201, 12.5, 12.5),
+                     run("cupynorm", 0.5199, 12.2, 12.2)],
+            "inside_fraction": [0.995], "final_inside": [True], "converges": True,
+        },
+        "llama": {"model": "llama", "skipped": "transformers is missing"},
+    }  # fmt: skip
+    assert main(["report", _write(tmp_path, "conv.json", result)]) == 0
+    section = _section(capsys.readouterr().out, "## Convergence")
+    rows = {row[0]: row for row in _rows(section).values()}
+    assert rows["resnet18"][3:] == [
+        "0.5200, 0.5201", "0.5199", "99.5%", "11.7, 12.5 / 12.2", "20.7, 12.5 / 12.2", "yes",
+        "conv.json",
+    ]  # fmt: skip
+    assert rows["llama"][-2:] == ["skipped", "conv.json"]

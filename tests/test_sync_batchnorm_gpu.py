@@ -2,8 +2,8 @@
 cupynorm's kernels -- against float64 BatchNorm on the concatenated batch and against
 torch.nn.SyncBatchNorm in the same setting (fp32, fp16, bf16, channels_last, uneven and empty
 ranks, process-group subsets, one collective each way, DDP), with the allocator poisoned and
-every recorded call replayed and compared. Twice: 2 processes with gloo sharing one GPU, and,
-where there are two GPUs, 2 processes with NCCL, one GPU each (as ``torchrun`` runs them)."""
+every recorded call replayed and compared. With 2 processes with gloo sharing one GPU, and with
+NCCL, one GPU per process (as ``torchrun`` runs them), on 2 and 4 GPUs where there are as many."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from sync_batchnorm_workers import CASES, run_cases
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
 
 WORLD = 2
+NCCL_WORLDS = (2, 4)
 
 
 @pytest.fixture(scope="module")
@@ -31,18 +32,19 @@ def test_sync_batchnorm_two_processes_one_gpu(results, case):
         assert per_case.get(case) == "ok", f"rank {rank}:\n{per_case.get(case)}"
 
 
-@pytest.fixture(scope="module")
-def nccl_results(tmp_path_factory):
-    if torch.cuda.device_count() < WORLD:
-        pytest.skip(f"NCCL runs one process per GPU: needs {WORLD} GPUs")
+@pytest.fixture(scope="module", params=NCCL_WORLDS, ids=lambda world: f"{world}gpus")
+def nccl_results(request, tmp_path_factory):
+    world = request.param
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"NCCL runs one process per GPU: needs {world} GPUs")
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available")
-    folder = tmp_path_factory.mktemp("sync_batchnorm_nccl")
-    return run_cases(WORLD, folder, device="cuda", backend="nccl")
+    folder = tmp_path_factory.mktemp(f"sync_batchnorm_nccl{world}")
+    return run_cases(world, folder, device="cuda", backend="nccl")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sync_batchnorm_two_gpus_nccl(nccl_results, case):
+def test_sync_batchnorm_nccl(nccl_results, case):
     for rank, per_case in enumerate(nccl_results):
         assert per_case.get(case) == "ok", f"rank {rank}:\n{per_case.get(case)}"
 

@@ -45,11 +45,22 @@ class Results:
     models: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     two_gpus: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # profile calls JSON
+    convergence: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # one per model
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
 
 
 def _is_sync_rows(data: Any) -> bool:
     return isinstance(data, list) and all(isinstance(r, dict) and "variant" in r for r in data)
+
+
+def _is_convergence(data: Any) -> bool:
+    """scripts/convergence.py's JSON: {model: its runs, verdict or skip reason}."""
+    return (
+        isinstance(data, dict)
+        and bool(data)
+        and all(isinstance(r, dict) and "model" in r and ("runs" in r or "skipped" in r)
+                for r in data.values())
+    )  # fmt: skip
 
 
 def merge(documents: Sequence[tuple[str, Any]]) -> Results:
@@ -67,10 +78,14 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
         if isinstance(data, dict) and "setup" in data and "rows" in data:
             results.calls.append((source, data))
             continue
+        if _is_convergence(data):
+            results.convergence.extend((source, result) for result in data.values())
+            continue
         if not isinstance(data, dict) or not ("workloads" in data or "models" in data):
             raise ValueError(
                 f"{source}: not a report of `python -m cupynorm bench --json`, rows of "
-                "scripts/bench_sync_batchnorm.py --json nor of `profile calls --json`"
+                "scripts/bench_sync_batchnorm.py --json, of `profile calls --json` nor of "
+                "scripts/convergence.py"
             )
         results.runs.append((source, data))
         for key, rows in (("workloads", results.kernels), ("models", results.models)):
@@ -346,15 +361,21 @@ def _number(value: Any, spec: str) -> str:
 
 
 def _two_gpu_section(results: Results) -> list[str]:
-    by_variant = {row.get("variant"): row for _source, row in results.two_gpus}
-    torch_ms = (by_variant.get("torch") or {}).get("ms_per_step")
+    """One row per variant of each run (file and world size), the ratio against torch's
+    SyncBatchNorm of the same run."""
+    torch_ms = {
+        (source, row.get("world")): row.get("ms_per_step")
+        for source, row in results.two_gpus
+        if row.get("variant") == "torch"
+    }
+    gpus = {source: run.get("gpu", "-") for source, run in results.runs}
     rows = []
-    for _source, row in results.two_gpus:
-        ms = row.get("ms_per_step")
+    for source, row in results.two_gpus:
+        ms, theirs = row.get("ms_per_step"), torch_ms.get((source, row.get("world")))
         name = {"unsynced": "torch BatchNorm2d, unsynced"}.get(
             row.get("variant"), f"{row.get('variant')} SyncBatchNorm"
         )
-        ratio = torch_ms / ms if isinstance(torch_ms, (int, float)) and ms else None
+        ratio = theirs / ms if isinstance(theirs, (int, float)) and ms else None
         rows.append(
             [
                 name,
@@ -364,18 +385,20 @@ def _two_gpu_section(results: Results) -> list[str]:
                 _number(row.get("images_per_s"), ".0f"),
                 _ms(row.get("collective_ms_per_step")),
                 _ratio(ratio) if row.get("variant") != "unsynced" else "-",
+                f"{gpus.get(source, '-')} ({source})",
             ]
         )
     columns = ("variant", "GPUs", "batch/GPU", "ms/step", "images/s", "collectives ms/step",
-               "vs torch")  # fmt: skip
+               "vs torch", "machine (file)")  # fmt: skip
     return [
-        "## Two GPUs: SyncBatchNorm",
+        "## Several GPUs: SyncBatchNorm",
         "",
         "DDP training step of torchvision's resnet50 (bf16 autocast, channels_last, NCCL) with "
         "torch.nn.SyncBatchNorm and with cupynorm.torch.SyncBatchNorm "
-        "(`torchrun --nproc-per-node 2 scripts/bench_sync_batchnorm.py --json FILE`); ms per "
+        "(`torchrun --nproc-per-node N scripts/bench_sync_batchnorm.py --json FILE`); ms per "
         "step: median over alternating rounds, the slowest rank's; collectives: the time inside "
-        "SyncBatchNorm's own collectives per step.",
+        "SyncBatchNorm's own collectives per step; vs torch: torch's SyncBatchNorm step in the "
+        "same run over this one.",
         "",
         *_table(columns, rows),
     ]
@@ -404,6 +427,54 @@ def _calls_section(results: Results) -> list[str]:
     return lines
 
 
+def _convergence_section(results: Results) -> list[str]:
+    def joined(values: list, spec: str) -> str:
+        return ", ".join(_number(v, spec) for v in values) or "-"
+
+    rows = []
+    for source, result in results.convergence:
+        if "skipped" in result:
+            rows.append([result["model"], "-", "-", "-", "-", "-", "-", "-", "skipped", source])
+            continue
+        runs = {impl: [r for r in result["runs"] if r["impl"] == impl]
+                for impl in ("torch", "cupynorm")}  # fmt: skip
+        rows.append(
+            [
+                result["model"],
+                str(result["steps"]),
+                result.get("device", "-"),
+                joined([r.get("final_loss") for r in runs["torch"]], ".4f"),
+                joined([r.get("final_loss") for r in runs["cupynorm"]], ".4f"),
+                joined(result.get("inside_fraction", []), ".1%"),
+                " / ".join(
+                    joined([r.get("steady_ms_per_step") for r in runs[impl]], ".1f")
+                    for impl in ("torch", "cupynorm")
+                ),
+                " / ".join(
+                    joined([r.get("wall_s") for r in runs[impl]], ".1f")
+                    for impl in ("torch", "cupynorm")
+                ),
+                "yes" if result.get("converges") else "no",
+                source,
+            ]
+        )
+    columns = ("model", "steps", "GPU", "torch final loss", "cupynorm final loss",
+               "steps in torch's band", "ms/step torch / cupynorm", "wall s torch / cupynorm",
+               "converges", "file")  # fmt: skip
+    return [
+        "## Convergence",
+        "",
+        "`python scripts/convergence.py --out DIR`: each model trained from the same initial "
+        "weights on the same batches (bf16 autocast, cuDNN nondeterministic), with torch's norms "
+        "twice and cupynorm's once; the band is torch's two runs' spread, at least three "
+        "standard errors of the smoothed loss; final loss: the mean of the last 50 steps. "
+        "ms/step: steady state (after the warm-up steps); wall s: the whole run, the first "
+        "kernel compilations included. The loss curves are the PNGs beside the JSON.",
+        "",
+        *_table(columns, rows),
+    ]
+
+
 def render(results: Results) -> str:
     """The whole page."""
     lines = _header(results)
@@ -415,4 +486,6 @@ def render(results: Results) -> str:
         lines += ["", *_two_gpu_section(results)]
     if results.calls:
         lines += ["", *_calls_section(results)]
+    if results.convergence:
+        lines += ["", *_convergence_section(results)]
     return "\n".join(lines).rstrip() + "\n"
