@@ -110,7 +110,9 @@ def inductor_takes(kind: str) -> bool:
 # GPU time saved per forward + backward (torch.profiler): batch norm bf16 channels_last 26 MB
 # 43 us, 102 MB 154 us, fp32 51 MB 14 us, 205 MB 110 us; batch norm + ReLU bf16 26 MB 76 us;
 # group norm fp16 3.2 MB 30 us, fp32 3.2 MB 9 us, 12.8 MB 29 us; layer norm bf16 32 MB 7 us,
-# 128 MB 135 us, fp32 39 MB 39 us, 200 MB 316 us. A CUDA graph capture pays the host once: its
+# 64 MB 63 us (H100, 11-27 later: 177 us of kernels against torch's ~240), 128 MB 135 us, fp32
+# 39 MB 39 us, 200 MB 316 us; RMS norm bf16 64 MB 57 us, 128 MB 143 us: the row norms reach their
+# host cost between 64 and 128 MB. A CUDA graph capture pays the host once: its
 # calls always run on the kernels; inside torch.compile the policy above decides.
 #: kind -> the input size in bytes from which an eager call runs on cupynorm's kernels
 EAGER_DEFAULT: Mapping[str, int] = {
@@ -119,8 +121,8 @@ EAGER_DEFAULT: Mapping[str, int] = {
     "group_norm": 1 << 22,  # group_norm on contiguous input (channels_last: the kernels)
     "group_norm_act": 0,
     "instance_norm": 0,
-    "layer_norm": 1 << 26,  # layer_norm, add_layer_norm
-    "rms_norm": 1 << 26,  # rms_norm, add_rms_norm
+    "layer_norm": 1 << 27,  # layer_norm, add_layer_norm
+    "rms_norm": 1 << 27,  # rms_norm, add_rms_norm
     "llama_rms_norm": 0,  # Hugging Face's formula is six torch ops, each a kernel
     "channel_norm": 0,  # layer_norm2d, rms_norm2d: torch has no single op for them
     "row_norm_add_mul": 0,
