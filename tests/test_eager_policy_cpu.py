@@ -97,3 +97,114 @@ def test_the_environment_variable_is_read_at_import(value, expected, warns) -> N
         assert size == _policy.EAGER_DEFAULT["layer_norm"]
     else:
         assert size == expected
+
+
+# ---- the choice while the GPU keeps up (set_eager_adaptive) -----------------------------------
+def test_set_eager_adaptive_returns_the_previous_setting_and_refuses_non_bools() -> None:
+    before = _policy.EAGER_ADAPTIVE[0]
+    try:
+        assert cnt.set_eager_adaptive(False) is before
+        assert cnt.set_eager_adaptive(True) is False
+        with pytest.raises(TypeError, match="expects a bool"):
+            cnt.set_eager_adaptive(1)
+        assert _policy.EAGER_ADAPTIVE[0] is True
+    finally:
+        cnt.set_eager_adaptive(before)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", False), ("1", True), (None, True)])
+def test_the_adaptive_environment_variable_is_read_at_import(value, expected) -> None:
+    env = {k: v for k, v in os.environ.items() if k != _policy.ADAPTIVE_ENVIRONMENT}
+    if value is not None:
+        env[_policy.ADAPTIVE_ENVIRONMENT] = value
+    code = "from cupynorm.torch import _policy; print(_policy.EAGER_ADAPTIVE[0])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == str(expected)
+
+
+class _FakeRuntime:
+    """cupy.cuda.runtime's event calls: an event is complete unless ``pending``."""
+
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status: int) -> None:
+            super().__init__(status)
+            self.status = status
+
+    def __init__(self, device: int = 0) -> None:
+        self.device, self.pending, self.records, self.created = device, False, [], 0
+
+    def getDevice(self) -> int:
+        return self.device
+
+    def eventCreateWithFlags(self, flags: int) -> int:
+        self.created += 1
+        return 1000 + self.created
+
+    def eventRecord(self, event: int, stream: int) -> None:
+        self.records.append((event, stream))
+
+    def eventQuery(self, event: int) -> int:
+        return _policy._NOT_READY if self.pending else 0
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    runtime = _FakeRuntime()
+    monkeypatch.setattr(_policy._compile, "_runtime", lambda: runtime)
+    monkeypatch.setattr(_policy, "_raw_stream", lambda device: 7)
+    monkeypatch.setattr(_policy, "_probes", {})
+    clock = [100.0]
+    monkeypatch.setattr(_policy.time, "perf_counter", lambda: clock[0])
+    runtime.clock = clock
+    return runtime
+
+
+def test_the_probe_reads_the_event_of_the_previous_call(fake_runtime) -> None:
+    """The first call on a stream keeps the kernels and records; each later one answers from
+    the event the previous one recorded, then records it again."""
+    runtime = fake_runtime
+    assert _policy.gpu_behind(0) is True  # no earlier call: the kernels, as before
+    assert runtime.created == 1 and runtime.records == [(1001, 7)]
+    runtime.clock[0] += 1e-3
+    assert _policy.gpu_behind(0) is False  # the GPU finished the previous call's work
+    runtime.pending = True
+    runtime.clock[0] += 1e-3
+    assert _policy.gpu_behind(0) is True
+    assert runtime.created == 1 and len(runtime.records) == 3
+
+
+def test_two_probes_of_one_call_give_one_answer(fake_runtime) -> None:
+    runtime = fake_runtime
+    _policy.gpu_behind(0)
+    runtime.clock[0] += 1e-3
+    assert _policy.gpu_behind(0) is False
+    runtime.pending = True
+    runtime.clock[0] += 5e-6  # the same call asking again (a route checks twice)
+    assert _policy.gpu_behind(0) is False
+    assert len(runtime.records) == 2
+
+
+def test_the_probe_keeps_the_kernels_where_it_cannot_tell(fake_runtime, monkeypatch) -> None:
+    """Another device current than the tensor's, or deterministic algorithms: the kernels and
+    no event recorded."""
+    runtime = fake_runtime
+    runtime.device = 1
+    assert _policy.gpu_behind(0) is True
+    runtime.device = 0
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert _policy.gpu_behind(0) is True
+    assert runtime.records == []
+
+
+def test_a_not_ready_error_reads_as_behind(fake_runtime) -> None:
+    runtime = fake_runtime
+
+    def raising(event: int) -> int:
+        raise runtime.CUDARuntimeError(_policy._NOT_READY)
+
+    _policy.gpu_behind(0)
+    runtime.eventQuery = raising
+    runtime.clock[0] += 1e-3
+    assert _policy.gpu_behind(0) is True

@@ -1,11 +1,14 @@
 """Small eager calls on torch's own op (cupynorm.torch.set_eager_min_bytes) on the GPU: below a
 kind's size an eager call is torch's functional call (outputs, gradients and running statistics
-those of torch's module), from that size on it runs cupynorm's kernels; a CUDA graph
+those of torch's module), from that size on it runs cupynorm's kernels -- while the GPU is behind
+the host (cupynorm.torch.set_eager_adaptive), torch's op while it keeps up; a CUDA graph
 capture and channels_last GroupNorm always run the kernels. The rest of the suite runs with every
 size on the kernels (conftest); each test here sets the sizes it needs and restores them.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from conftest import cuda_available
@@ -25,6 +28,14 @@ def sizes():
     previous = cnt.eager_min_bytes()
     yield cnt.set_eager_min_bytes
     cnt.set_eager_min_bytes(previous)
+
+
+@pytest.fixture
+def adaptive():
+    """Restores the adaptive choice the test found; the test sets its own."""
+    previous = cnt.set_eager_adaptive(True)
+    yield cnt.set_eager_adaptive
+    cnt.set_eager_adaptive(previous)
 
 
 @pytest.fixture
@@ -120,7 +131,8 @@ def test_below_its_size_an_eager_call_is_torchs_own(kind, sizes, torch_calls) ->
 
 
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_from_its_size_an_eager_call_runs_the_kernels(kind, sizes, torch_calls) -> None:
+def test_from_its_size_an_eager_call_runs_the_kernels(kind, sizes, torch_calls, adaptive) -> None:
+    adaptive(False)
     expected, got, functional = _both_sides(kind, torch_calls, 0, sizes)
     assert functional not in torch_calls
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
@@ -157,3 +169,53 @@ def test_a_cuda_graph_capture_runs_the_kernels(sizes, torch_calls) -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(y, F.layer_norm(x, (40,), module.weight, module.bias))
+
+
+def _probe_after(queued_ms: float) -> None:
+    """Record the probe's event behind ``queued_ms`` of GPU work (0: none) on an idle GPU, then
+    let the host move on, so that the next call asks about that event."""
+    from cupynorm.torch import _policy
+
+    torch.cuda.synchronize()
+    if queued_ms:
+        torch.cuda._sleep(int(queued_ms * 2e6))  # ~2 GHz: cycles
+    _policy.gpu_behind(torch.cuda.current_device())
+    time.sleep(0.001)  # past the window in which two probes belong to one call
+
+
+@pytest.mark.parametrize("kind", ["batch_norm_act", "layer_norm"])
+def test_from_its_size_a_call_while_the_gpu_keeps_up_is_torchs_own(
+    kind, sizes, torch_calls, adaptive
+) -> None:
+    make, shape, channels_last = CASES[kind]
+    _reference, module, functional = make()
+    module.cuda()
+    x = torch.randn(shape, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    sizes({kind: x.numel() * x.element_size()})
+    _probe_after(0)
+    module(x)
+    assert torch_calls.get(functional) == 1
+    torch_calls.clear()
+    _probe_after(50)  # the GPU busy for ~50 ms: behind the host
+    module(x)
+    torch.cuda.synchronize()
+    assert functional not in torch_calls
+
+
+def test_deterministic_algorithms_keep_the_size_rule(sizes, torch_calls, adaptive) -> None:
+    module = cnt.LayerNorm(40).cuda()
+    x = torch.randn(6, 5, 40, device="cuda")
+    sizes({"layer_norm": x.numel() * x.element_size()})
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _probe_after(0)  # the GPU keeps up, but the choice must not depend on timing
+        module(x)
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+    assert "layer_norm" not in torch_calls

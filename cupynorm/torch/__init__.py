@@ -3,7 +3,8 @@
 CUDA tensors run on cupynorm's kernels (launched on torch's current stream, memory from torch's
 allocator, so CUDA-graph capture works), but for two choices of where a call runs (see
 :mod:`._policy`): eager calls smaller than their kind's size run torch's own op, whose host path
-costs less than the kernels would save (:func:`set_eager_min_bytes`), and inside
+costs less than the kernels would save (:func:`set_eager_min_bytes`), as do larger ones while
+the GPU keeps up with the host (:func:`set_eager_adaptive`), and inside
 ``torch.compile`` BatchNorm, LayerNorm, RMSNorm and the channel norms are traced as torch's
 functional calls for Inductor to fuse, the others are custom ops (``torch.ops.cupynorm.*``) with
 fake kernels and registered autograd (:func:`set_compile_kernels`). Tensors on any other device go
@@ -18,7 +19,13 @@ Example::
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
-from ._policy import compile_kernels, eager_min_bytes, set_compile_kernels, set_eager_min_bytes
+from ._policy import (
+    compile_kernels,
+    eager_min_bytes,
+    set_compile_kernels,
+    set_eager_adaptive,
+    set_eager_min_bytes,
+)
 from .convert import replace_norms
 from .functional import (
     add_layer_norm,
@@ -90,5 +97,6 @@ __all__ = [
     "rms_norm2d",
     "row_norm_add_mul",
     "set_compile_kernels",
+    "set_eager_adaptive",
     "set_eager_min_bytes",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._policy import EAGER_MIN_BYTES
+from ._policy import EAGER_ADAPTIVE, EAGER_MIN_BYTES, gpu_behind
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
@@ -28,15 +28,21 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 def _use_kernels(x: Tensor, kind: str) -> bool:
     """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional):
     CUDA tensors, but for an eager call of ``kind`` smaller than its size in the eager policy
-    (:func:`cupynorm.torch.set_eager_min_bytes`) outside a CUDA graph capture. Traced calls are
-    the compile policy's (:func:`._policy.inductor_takes`); their size is never read (a guard).
+    (:func:`cupynorm.torch.set_eager_min_bytes`) outside a CUDA graph capture, nor one at or
+    above it while the GPU keeps up with the host (:func:`._policy.gpu_behind`). Traced calls
+    are the compile policy's (:func:`._policy.inductor_takes`); their size is never read (a
+    guard).
 
     CPU tests patch this to run the whole stack on the reference kernels.
     """
     if not x.is_cuda:
         return False
     least = EAGER_MIN_BYTES[kind]
-    return not least or _traced(x) or x.numel() * x.element_size() >= least or _capturing()
+    if not least or _traced(x) or _capturing():
+        return True
+    if x.numel() * x.element_size() < least:
+        return False
+    return not EAGER_ADAPTIVE[0] or gpu_behind(x.get_device())
 
 
 def _traced(x: Tensor) -> bool:
