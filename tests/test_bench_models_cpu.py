@@ -32,6 +32,8 @@ MODEL_NAMES = [
     "unet_blocks_autocast_fp16",
     "unet_blocks_autocast_fp16_cl",
     "llama_8l_h2048_s2048_b4_bf16",
+    "sd15_unet_b8_autocast_fp16",
+    "sd_vae_decode_b4_fp16",
 ]
 # ------------------------------------------------------------------------------------------------
 # Registry and selection
@@ -72,6 +74,7 @@ def test_model_workloads() -> None:
         "llama": "llama_rms_norm",
         "convnext_tiny": "layer_norms",
         "vit_base": "layer_norms",
+        "sd15_unet": "fuse_layer_norms",
     }
     for workload in bench.MODEL_WORKLOADS:
         assert workload.model in bench.models.MODEL_FACTORIES

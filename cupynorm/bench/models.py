@@ -6,7 +6,8 @@
 - the models group's models, by name in `MODEL_FACTORIES`: torchvision's `resnet50()`, timm's
   `efficientnet_b0`, `mobilenetv3_large_100`, `convnext_tiny` and `vit_base_patch16_224`, a
   stack of diffusers-style ResNet blocks with GroupNorm(32) (diffusers is not a dependency: the
-  block is written here) and a transformers Llama decoder (random init).
+  block is written here) and a transformers Llama decoder (random init); diffusers' own
+  UNet2DConditionModel and AutoencoderKL are built in `diffusers_models`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from . import diffusers_models
 from .specs import ModelWorkload, ModuleSpec
 
 if TYPE_CHECKING:
     import torch
 
 # Packages some model rows need and the bench does not: without one, those rows are skipped.
-OPTIONAL_PACKAGES = ("torchvision", "timm", "transformers")
+OPTIONAL_PACKAGES = ("torchvision", "timm", "transformers", "diffusers")
 
 _SEED002_CLASSES: dict[str, type] = {}
 
@@ -292,6 +294,8 @@ MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "gn_resnet_blocks": gn_resnet_blocks,
     "unet_resnet_blocks": unet_resnet_blocks,
     "llama": llama,
+    "sd15_unet": diffusers_models.sd15_unet,  # diffusers' own classes
+    "sd_vae_decoder": diffusers_models.sd_vae_decoder,
 }
 
 

@@ -69,7 +69,8 @@ class ModelWorkload:
     """A whole training step of a model, with torch's norm layers and with cupynorm's.
 
     The step: zero the gradients, forward (under autocast when `autocast` is set), loss, backward,
-    an SGD step with momentum; in the modes of `cupynorm.bench.results.MODES`.
+    an SGD step with momentum (with `inference`, the forward alone); in the modes of
+    `cupynorm.bench.results.MODES`.
     """
 
     name: str
@@ -90,10 +91,16 @@ class ModelWorkload:
     goal_modes: tuple[str, ...] = ()
     # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), "llama_rms_norm"
     # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
-    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md) or "layer_norms"
-    # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in).
+    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md), "layer_norms"
+    # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in)
+    # or "fuse_layer_norms" (fuse, then the LayerNorms too: a UNet's transformer blocks).
     convert: str = "fuse"
     layers: int = 0  # decoder layers of a transformer model (the llama factory)
+    # Forward only (a VAE decoding): the step is the forward under torch.no_grad, the model in
+    # eval mode; the accuracy check still takes the input gradient of the loss.
+    inference: bool = False
+    # The model's output shape where it is not the input's (a decoder's): the mse target's.
+    output_shape: Shape | None = None
     note: str = ""  # what is known to limit the row (the results page shows it beside a miss)
 
     @property

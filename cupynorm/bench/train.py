@@ -39,10 +39,14 @@ For each model workload, in one process, from the same initial weights and on th
    its norm layers replaced by `nn.Identity`: the difference per norm layer is the host time of
    one norm layer's forward and backward, torch's and cupynorm's.
 
+An inference workload (`ModelWorkload.inference`: a VAE decoding) times the forward alone,
+under torch.no_grad with the model in eval mode, in the same modes; its accuracy check is the
+same (the output, and the input gradient of the loss against a target of the output's shape).
+
 torch, torchvision and cupynorm are imported when a workload runs; a row whose model needs a
-package that is not installed (torchvision, timm, transformers: `models.OPTIONAL_PACKAGES`) is
-skipped (a row that says so; the run does not fail), a model that cannot be built otherwise
-becomes an error row.
+package that is not installed (torchvision, timm, transformers, diffusers:
+`models.OPTIONAL_PACKAGES`) is skipped (a row that says so; the run does not fail), a model that
+cannot be built otherwise becomes an error row.
 """
 
 from __future__ import annotations

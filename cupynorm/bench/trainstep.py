@@ -111,7 +111,8 @@ def training_loss(
 
 class TrainStep:
     """One training step on fixed tensors: zero the gradients (to None), forward (under autocast
-    when the workload asks), loss, backward, SGD step.
+    when the workload asks), loss, backward, SGD step; for an inference workload, the forward
+    alone under torch.no_grad.
 
     The same callable runs eager, is captured whole for the graphed mode, and runs a compiled
     forward for the compiled modes (`mark_step`: tell Inductor's CUDA graphs where a step
@@ -140,10 +141,14 @@ class TrainStep:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=workload.lr, momentum=SGD_MOMENTUM)
 
     def __call__(self) -> None:
-        if self.mark_step:  # a new step for Inductor's CUDA graphs: last step's outputs are dead
-            import torch
+        import torch
 
+        if self.mark_step:  # a new step for Inductor's CUDA graphs: last step's outputs are dead
             torch.compiler.cudagraph_mark_step_begin()
+        if self.workload.inference:
+            with torch.no_grad(), timing.cuda.autocast(self.workload.autocast):
+                self.forward(self.inputs)
+            return
         self.optimizer.zero_grad(set_to_none=True)
         with timing.cuda.autocast(self.workload.autocast):
             output = self.forward(self.inputs)
@@ -156,8 +161,8 @@ def make_batch(
     workload: ModelWorkload, batch: int, device: Any, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A standard-normal input in the workload's layout and a random target: class labels for
-    cross-entropy, a standard-normal tensor of the input's shape (in fp32, or fp64 for an fp64
-    input) for mse."""
+    cross-entropy, a standard-normal tensor of the input's shape (the workload's `output_shape`
+    where it has one; in fp32, or fp64 for an fp64 input) for mse."""
     import torch
 
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -175,6 +180,8 @@ def make_batch(
         )
     else:
         target_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        if workload.output_shape is not None:
+            shape = (batch, *workload.output_shape[1:])
         target = torch.empty(shape, dtype=target_dtype, device=device, memory_format=layout)
         target.normal_(generator=generator)
     return inputs, target
@@ -183,23 +190,27 @@ def make_batch(
 def convert_model(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.Module:
     """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
     the norms converted and a BatchNorm2d's following activation and residual add folded into
-    it, or transformers' RMSNorm layers or the LayerNorm layers converted (imported here: it
-    needs torch and registers ops)."""
+    it, or transformers' RMSNorm layers or the LayerNorm layers converted, or both fuse and the
+    LayerNorms (imported here: it needs torch and registers ops)."""
     cnt = importlib.import_module("cupynorm.torch")
     if workload.convert == "llama_rms_norm":
         return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
+    layer_norm = importlib.import_module("torch").nn.LayerNorm
     if workload.convert == "layer_norms":
-        return cnt.replace_norms(model, include=[importlib.import_module("torch").nn.LayerNorm])
+        return cnt.replace_norms(model, include=[layer_norm])
+    if workload.convert == "fuse_layer_norms":
+        return cnt.replace_norms(cnt.fuse(model), include=[layer_norm])
     return cnt.fuse(model)
 
 
 def on_device(
     model: torch.nn.Module, workload: ModelWorkload, device: Any, dtype: torch.dtype
 ) -> torch.nn.Module:
-    """The model moved to the device and dtype, in the workload's layout, in training mode."""
+    """The model moved to the device and dtype, in the workload's layout, in training mode (in
+    eval mode for an inference workload)."""
     import torch
 
     model = model.to(device=device, dtype=dtype)
     if workload.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model.train()
+    return model.train(not workload.inference)

@@ -387,6 +387,17 @@ _LLAMA_TITLE = (
     "32000, fed embeddings) training step, bf16, SGD"
 )
 
+_SD15_UNET_TITLE = (
+    "diffusers UNet2DConditionModel in Stable Diffusion 1.5's layout (random init; 61 GroupNorm, "
+    "44 fused with SiLU, 22 of them with the time embedding, 48 LayerNorm) noise-prediction "
+    "training step, 64x64 latents, 77x768 text embeddings, float32 weights under fp16 autocast, "
+    "SGD"
+)
+_SD_VAE_DECODE_TITLE = (
+    "diffusers AutoencoderKL in Stable Diffusion's layout (random init), decode of 64x64 latents "
+    "to 512x512 images (30 GroupNorm, 24 fused with SiLU), inference, fp16"
+)
+
 MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
     ModelWorkload(
         name="resnet50_b64_bf16_cl",
@@ -519,6 +530,29 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         accuracy_batch=1,
         convert="llama_rms_norm",
         layers=8,
+    ),
+    ModelWorkload(
+        name="sd15_unet_b8_autocast_fp16",
+        title=_SD15_UNET_TITLE,
+        model="sd15_unet",
+        input_shape=(8, 4, 64, 64),  # noisy latents of 512x512 images
+        autocast="float16",
+        loss="mse",  # against random noise
+        lr=1e-5,
+        # float64 at batch 8 would not fit (activations and the 4096-token attention matrices)
+        accuracy_batch=1,
+        convert="fuse_layer_norms",
+    ),
+    ModelWorkload(
+        name="sd_vae_decode_b4_fp16",
+        title=_SD_VAE_DECODE_TITLE,
+        model="sd_vae_decoder",
+        input_shape=(4, 4, 64, 64),
+        dtype="float16",
+        inference=True,
+        loss="mse",  # the accuracy check's input gradient
+        output_shape=(4, 3, 512, 512),
+        accuracy_batch=1,
     ),
 )
 

@@ -27,20 +27,29 @@ kernel (:func:`~cupynorm.torch.batch_norm_act`, :func:`~cupynorm.torch.group_nor
 
 A model whose ``forward`` does not trace (data-dependent control flow, ...) is fused submodule by
 submodule: each child that traces is fused, the others are searched further down, and norms in
-parts that never trace are still converted (unfused). Limits: the fused parts become
-``torch.fx.GraphModule`` objects (same submodules and ``state_dict``, but a generated ``forward``
-and none of the original class's other methods); an add whose operands turn out to differ in
+parts that never trace are still converted (unfused). A ``forward``'s ``*args`` and ``**kwargs``
+are traced empty (diffusers' ``ResnetBlock2D.forward(input_tensor, temb, *args, **kwargs)``):
+the fused module takes no extra arguments. The trace sees each argument as a tensor, so an
+``if temb is not None`` takes its tensor branch: a ``forward`` whose graph changes when one of
+its arguments is None (traced once more with that argument None) is not traced whole but
+searched further down (diffusers' VAE calls the same ResnetBlock2D with ``temb=None``, adding
+nothing; its UNet's ``UpBlock2D`` resizes to ``upsample_size`` only when that is given).
+Limits: the fused parts become ``torch.fx.GraphModule`` objects (same submodules and
+``state_dict``, but a generated ``forward`` and none of the original class's other methods; a
+submodule with nothing to fuse is kept as it was); an add whose operands turn out to differ in
 shape or dtype at run time (broadcasting) runs unfused in torch.
 """
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections import Counter
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from . import convert, modules
 from .convert import replace_norms
@@ -254,19 +263,75 @@ def _fuse_norm_tails(model: torch.nn.Module, report: list[str] | None) -> None:
                 report.append(f"{name} + {_ACT_MODULES[type(module.act)]}")
 
 
-def _fuse(model: torch.nn.Module, prefix: str, report: list[str] | None) -> torch.nn.Module:
+def _structure(graph: fx.Graph) -> list[tuple[str, object]]:
+    """What ``graph`` computes, up to its inputs' names and the arguments of each call."""
+    is_none_check = fx._symbolic_trace._assert_is_none  # what fx adds for an argument fixed to None
+    return [
+        (n.op, n.target)
+        for n in graph.nodes
+        if n.op != "placeholder" and n.target is not is_none_check
+    ]
+
+
+def _plain_containers(spec: pytree.TreeSpec) -> bool:
+    return spec.is_leaf() or (
+        spec.type in (tuple, list, dict) and all(map(_plain_containers, spec.children()))
+    )
+
+
+def _named_arguments_codegen(graph: fx.Graph) -> None:
+    """A graph traced with its ``*args``/``**kwargs`` fixed empty gets fx's pytree code (inputs
+    and output flattened, the empty ones expected too): back to plain code, the forward taking
+    its named arguments (with their defaults) and returning its output as built."""
+    out_spec = graph._codegen.pytree_info.out_spec
+    if not _plain_containers(out_spec):
+        raise TypeError(f"an output of {out_spec.type} is not rebuilt in plain code")
+    output = next(node for node in reversed(graph.nodes) if node.op == "output")
+    output.args = (pytree.tree_unflatten(list(output.args[0]), out_spec),)
+    graph.set_codegen(fx.graph.CodeGen())
+
+
+def _trace(model: torch.nn.Module) -> fx.Graph:
+    """``model``'s graph with its ``*args`` and ``**kwargs`` empty; raises where it does not
+    trace or where its graph differs with an argument None (see the module docstring)."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    named, empty = [], {}
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            empty[f"*{p.name}"] = ()
+        elif p.kind is p.VAR_KEYWORD:
+            empty[f"**{p.name}"] = {}
+        else:
+            named.append(p.name)
+    graph = _NormLeafTracer().trace(model, concrete_args=empty or None)
+    if empty:
+        _named_arguments_codegen(graph)
+    for name in named:
+        try:
+            with_none = _NormLeafTracer().trace(model, concrete_args={**empty, name: None})
+        except Exception:  # it cannot take None: its tensor graph is the only one
+            continue
+        if _structure(with_none) != _structure(graph):
+            raise TypeError(f"{type(model).__name__}.forward's graph depends on {name} is None")
+    return graph
+
+
+def _fuse(
+    model: torch.nn.Module, prefix: str, report: list[str] | None, *, root: bool = True
+) -> torch.nn.Module:
     try:
-        graph = _NormLeafTracer().trace(model)
+        graph = _trace(model)
     except Exception:  # any failure to trace: fuse the children instead
         for name, child in model.named_children():
             if not isinstance(child, _NORMS):
-                setattr(model, name, _fuse(child, f"{prefix}{name}.", report))
+                setattr(model, name, _fuse(child, f"{prefix}{name}.", report, root=False))
         return model
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
     gm.train(model.training)
-    _fuse_graph(gm, prefix, report)
-    _fuse_group_norm_graph(gm, prefix, report)
-    return gm
+    fused = _fuse_graph(gm, prefix, report) + _fuse_group_norm_graph(gm, prefix, report)
+    # a submodule with nothing to fuse stays as it was: a LayerNorm stays one (replace_norms
+    # finds it), a Linear gets no generated forward
+    return gm if fused or root else model
 
 
 def fuse(model: torch.nn.Module, *, report: list[str] | None = None) -> torch.nn.Module:
