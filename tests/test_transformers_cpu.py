@@ -347,7 +347,9 @@ def test_patched_model_copies_undo_and_gradient_checkpointing():
     for layer in _layers(twin):  # the copy's forward is bound to the copy
         assert layer.forward.__self__ is layer
     torch.testing.assert_close(twin(ids).logits, expected, rtol=0, atol=0)
-    model.gradient_checkpointing_enable()
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)()
+    assert _layers(model)[0].gradient_checkpointing
     model.train()
     logits = model(ids).logits
     logits.sum().backward()
