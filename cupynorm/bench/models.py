@@ -249,14 +249,13 @@ def _llama_lm_class() -> type:
     return LlamaLM
 
 
-def llama(workload: ModelWorkload) -> torch.nn.Module:
-    """A Llama-style decoder from transformers, random init: `workload.layers` layers, hidden
-    size input_shape[2] (head size 128, 2 query heads per key/value head, MLP 2.75x), vocabulary
-    `num_classes`; an ImportError when transformers is missing."""
-    transformers = importlib.import_module("transformers")
+def _decoder_config(transformers, config_name: str, workload: ModelWorkload, **extra):
+    """The Llama row's decoder shape in another family's config: `workload.layers` layers,
+    hidden size input_shape[2] (head size 128, 2 query heads per key/value head, MLP 2.75x),
+    vocabulary `num_classes`, sdpa attention."""
     hidden = workload.input_shape[2]
     heads = max(1, hidden // 128)
-    config = transformers.LlamaConfig(
+    return getattr(transformers, config_name)(
         vocab_size=workload.num_classes,
         hidden_size=hidden,
         intermediate_size=(hidden * 11 // 4 + 63) // 64 * 64,
@@ -265,8 +264,34 @@ def llama(workload: ModelWorkload) -> torch.nn.Module:
         num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=workload.input_shape[1],
         attn_implementation="sdpa",
+        **extra,
     )
+
+
+def llama(workload: ModelWorkload) -> torch.nn.Module:
+    """A Llama-style decoder from transformers, random init: `workload.layers` layers, hidden
+    size input_shape[2] (head size 128, 2 query heads per key/value head, MLP 2.75x), vocabulary
+    `num_classes`; an ImportError when transformers is missing."""
+    transformers = importlib.import_module("transformers")
+    config = _decoder_config(transformers, "LlamaConfig", workload)
     return _llama_lm_class()(transformers.LlamaForCausalLM(config))
+
+
+def qwen2(workload: ModelWorkload) -> torch.nn.Module:
+    """transformers' Qwen2ForCausalLM of the Llama row's shape (`_decoder_config`; Qwen2's
+    biased q/k/v projections, its RMSNorm of Llama's formula), random init, fed embeddings."""
+    transformers = importlib.import_module("transformers")
+    config = _decoder_config(transformers, "Qwen2Config", workload)
+    return _llama_lm_class()(transformers.Qwen2ForCausalLM(config))
+
+
+def gemma(workload: ModelWorkload) -> torch.nn.Module:
+    """transformers' GemmaForCausalLM of the Llama row's shape (`_decoder_config`, head size
+    128; Gemma's RMSNorm: ``(1 + weight)`` in float32, rounded once), random init, fed
+    embeddings."""
+    transformers = importlib.import_module("transformers")
+    config = _decoder_config(transformers, "GemmaConfig", workload, head_dim=128)
+    return _llama_lm_class()(transformers.GemmaForCausalLM(config))
 
 
 def convnext_tiny(workload: ModelWorkload) -> torch.nn.Module:
@@ -294,6 +319,8 @@ MODEL_FACTORIES: dict[str, Callable[[ModelWorkload], torch.nn.Module]] = {
     "gn_resnet_blocks": gn_resnet_blocks,
     "unet_resnet_blocks": unet_resnet_blocks,
     "llama": llama,
+    "qwen2": qwen2,
+    "gemma": gemma,
     "sd15_unet": diffusers_models.sd15_unet,  # diffusers' own classes
     "sd_vae_decoder": diffusers_models.sd_vae_decoder,
 }

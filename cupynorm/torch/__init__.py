@@ -19,6 +19,15 @@ Example::
     >>> y = cnt.group_norm(x, 32, weight, bias)       # functional, with autograd
 """
 
+from ._hf_layers import patch_transformers
+from ._hf_norms import (
+    HF_NORMS,
+    CohereLayerNorm,
+    GemmaRMSNorm,
+    Olmo2RMSNorm,
+    OlmoLayerNorm,
+    T5LayerNorm,
+)
 from ._policy import (
     compile_kernels,
     eager_min_bytes,
@@ -63,6 +72,13 @@ from .modules import (
 from .sync_batchnorm import SyncBatchNorm
 
 __all__ = [
+    "HF_NORMS",
+    "CohereLayerNorm",
+    "GemmaRMSNorm",
+    "Olmo2RMSNorm",
+    "OlmoLayerNorm",
+    "T5LayerNorm",
+    "patch_transformers",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",

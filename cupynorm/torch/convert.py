@@ -21,17 +21,22 @@ says its ``forward`` is the torch.nn class's followed by those submodules; its c
 cupynorm's norm and the module's own ``drop`` and ``act`` after it. A subclass whose ``forward``
 computes anything else is left alone and named in a warning: never silently changed.
 
-Hugging Face's RMSNorm layers (``LlamaRMSNorm`` and its copies ``Qwen2RMSNorm``,
-``MistralRMSNorm``, ...) are plain ``torch.nn.Module`` classes, not torch.nn norms: converted
-when ``include`` names :class:`cupynorm.torch.LlamaRMSNorm` (opt-in, like the other row norms).
-A candidate is a module whose class name contains ``RMSNorm`` and whose only parameter is a
-vector ``weight``; it is converted when it has a float ``variance_epsilon`` and a probe says its
-``forward`` computes Llama's formula (normalize in float32, round to the input's dtype, then
-multiply by the weight) on copies with a random weight, on input of the weight's dtype and of
-another one (so a layer that casts to the weight's dtype, T5's, is told apart). It then gets an
-adopted class whose bases are cupynorm's ``LlamaRMSNorm`` and its own class (its
-``extra_repr`` kept). Other candidates (Gemma's ``(1 + weight)`` multiplied in float32, ...) are
-left alone and named in the warning.
+Hugging Face transformers' norm layers are plain ``torch.nn.Module`` classes, not torch.nn norms:
+converted when ``include`` names the cupynorm class of their formula (opt-in, like the other row
+norms; :data:`cupynorm.torch.HF_NORMS` names them all): :class:`cupynorm.torch.LlamaRMSNorm`
+(``LlamaRMSNorm`` and its copies ``Qwen2RMSNorm``, ``Qwen3RMSNorm``, ``MistralRMSNorm``,
+``MixtralRMSNorm``, ``Phi3RMSNorm``, ``DeepseekV3RMSNorm``, ...), ``GemmaRMSNorm`` (Gemma 1-3),
+``T5LayerNorm``, ``Olmo2RMSNorm``, ``CohereLayerNorm`` and ``OlmoLayerNorm`` (the formulas:
+:mod:`._hf_norms`). A candidate is a module whose class name contains ``RMSNorm`` or
+``LayerNorm`` and whose only parameter is ``weight`` (or which has none and a
+``normalized_shape`` of one int); it is converted when a probe says its ``forward`` computes one
+of those formulas with its eps attribute (``variance_epsilon``, Gemma's ``eps``): on a copy with
+a random weight, on input of the weight's dtype and of another one (so the formulas that differ
+only in where they round, Llama's, T5's and OLMo 2's, are told apart), the outputs equal the
+formula's torch ops bit for bit. It then gets an adopted class whose bases are the cupynorm
+class and its own class (its ``extra_repr`` kept). Other candidates (a weight that is not a
+vector, another formula, a meta device) are left alone and named in the warning, with the
+reason; so are those of a formula ``include`` does not name.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from collections.abc import Iterable
 
 import torch
 
-from . import modules, sync_batchnorm
+from . import _hf_norms, modules, sync_batchnorm
 
 __all__ = ["replace_norms"]
 
@@ -240,70 +245,95 @@ def _adopted_channel_norm(cls: type, ours: type) -> type:
     return _ADOPTED[key]
 
 
-# ---- Hugging Face RMSNorm layers of Llama's formula ---------------------------------------------
-#: The ``include``/``exclude`` entry that stands for them (converted to adopted subclasses of it).
-_LLAMA_RMS = modules.LlamaRMSNorm
-_ADOPTED_LLAMA: dict[type, type] = {}
+# ---- Hugging Face norm layers (transformers' formulas: _hf_norms.FORMULAS) ---------------------
+#: The ``include``/``exclude`` entries that stand for them (converted to adopted subclasses).
+_HF_NORMS = frozenset(_hf_norms.HF_NORMS)
+_ADOPTED_HF: dict[tuple[type, type], type] = {}
 
 
-def _llama_candidate(module: torch.nn.Module) -> bool:
-    """A layer that looks like a Hugging Face RMSNorm: ``RMSNorm`` in its class name, not a
-    torch.nn norm nor cupynorm's, and one parameter, a vector ``weight``."""
+def _hf_candidate(module: torch.nn.Module) -> bool:
+    """A layer that looks like a Hugging Face norm: ``RMSNorm`` or ``LayerNorm`` in its class
+    name, not a torch.nn norm nor cupynorm's, and either one parameter, ``weight``, or none and
+    a ``normalized_shape`` of one int (OLMo's LayerNorm)."""
     cls = type(module)
-    if "rmsnorm" not in cls.__name__.lower() or issubclass(cls, _LLAMA_RMS):
+    name = cls.__name__.lower()
+    if "rmsnorm" not in name and "layernorm" not in name:
         return False
-    if _torch_base(cls) is not None or issubclass(cls, _OURS):
+    if issubclass(cls, tuple(_HF_NORMS)) or _torch_base(cls) is not None or issubclass(cls, _OURS):
         return False
     params = list(module.named_parameters())
-    return len(params) == 1 and params[0][0] == "weight" and params[0][1].dim() == 1
+    if not params:
+        shape = getattr(module, "normalized_shape", None)
+        return isinstance(shape, tuple) and len(shape) == 1 and type(shape[0]) is int
+    return len(params) == 1 and params[0][0] == "weight"
 
 
-def _computes_like_llama(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` gives Llama's formula (_llama_rms_norm._llama_rms_norm_torch)
-    with its ``weight`` and ``variance_epsilon``, on copies with a random weight and random
-    input of the weight's dtype and of one other floating dtype."""
-    from ._llama_rms_norm import _llama_rms_norm_torch
-
-    eps = getattr(module, "variance_epsilon", None)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return False
-    weight = module.weight
-    if weight.device.type == "meta" or not weight.is_floating_point():
-        return False
-    device, H = weight.device, weight.shape[0]
+def _hf_formula(module: torch.nn.Module) -> tuple[_hf_norms.Formula | None, str]:
+    """(the formula of _hf_norms.FORMULAS that ``module.forward`` computes, with its weight and
+    eps, or None; why not). Probed on a copy with a random weight, on random input of the
+    weight's dtype and of one other floating dtype (float32 and bfloat16 without a weight): the
+    outputs must be equal, bit for bit and dtype, to the formula's torch ops."""
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        if weight.dim() != 1:
+            return None, "its weight is not a vector"
+        if weight.device.type == "meta":
+            return None, "on the meta device, not probed"
+        if not weight.is_floating_point():
+            return None, "its weight is not floating point"
+        device, H = weight.device, weight.shape[0]
+        other = torch.bfloat16 if weight.dtype == torch.float32 else torch.float32
+        dtypes = (weight.dtype, other)
+    else:
+        device, H = torch.device("cpu"), module.normalized_shape[0]
+        dtypes = (torch.float32, torch.bfloat16)
     generator = torch.Generator(device=device).manual_seed(0)
-    other = torch.bfloat16 if weight.dtype == torch.float32 else torch.float32
     probe_module = copy.deepcopy(module)
-    with torch.no_grad():
-        probe_module.weight.copy_(
-            torch.randn(H, generator=generator, device=device, dtype=weight.dtype)
-        )
-    for dtype in (weight.dtype, other):
+    if weight is not None:
+        with torch.no_grad():
+            random = torch.randn(H, generator=generator, device=device, dtype=weight.dtype)
+            probe_module.weight.copy_(random)
+    probes = []
+    for dtype in dtypes:
         probe = 4 * torch.randn((2, 3, H), generator=generator, device=device, dtype=dtype) + 1
         try:
             with torch.no_grad():
-                expected = _llama_rms_norm_torch(probe, probe_module.weight, eps)
                 got = type(module).forward(probe_module, probe)
-        except Exception:  # noqa: BLE001 - a forward that fails on the probe is not this norm
-            return False
-        if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype:
-            return False
-        if got.shape != expected.shape or not torch.equal(got, expected):
-            return False
-    return True
+        except Exception:  # noqa: BLE001 - a forward that fails on the probe is not a norm
+            return None, "its forward fails on a probe input"
+        if not isinstance(got, torch.Tensor):
+            return None, "its forward does not return a tensor"
+        probes.append((probe, got))
+    for formula in _hf_norms.FORMULAS:
+        eps = formula.eps_of(module)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            continue
+        if (formula.module is _hf_norms.OlmoLayerNorm) != (weight is None):
+            continue
+        w = None if weight is None else probe_module.weight
+        if all(_same(formula.torch_fn(probe, w, eps), got) for probe, got in probes):
+            return formula, ""
+    return None, "its forward computes none of the formulas of cupynorm.torch.HF_NORMS"
 
 
-def _adopted_llama(cls: type) -> type:
-    """cupynorm's LlamaRMSNorm forward over the Hugging Face class ``cls`` (made once)."""
-    if cls not in _ADOPTED_LLAMA:
+def _same(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    return (
+        got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    )
+
+
+def _adopted_hf(cls: type, ours: type) -> type:
+    """cupynorm's ``ours`` forward over the Hugging Face class ``cls`` (made once per class)."""
+    key = (cls, ours)
+    if key not in _ADOPTED_HF:
         namespace = {
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "__doc__": cls.__doc__,
             "extra_repr": cls.extra_repr,
         }
-        _ADOPTED_LLAMA[cls] = type(cls.__name__, (_LLAMA_RMS, cls), namespace)
-    return _ADOPTED_LLAMA[cls]
+        _ADOPTED_HF[key] = type(cls.__name__, (ours, cls), namespace)
+    return _ADOPTED_HF[key]
 
 
 def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
@@ -313,12 +343,12 @@ def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
         classes = (classes,)
     chosen = set()
     for cls in classes:
-        if cls is _LLAMA_RMS:
+        if cls in _HF_NORMS:
             chosen.add(cls)
             continue
         if cls not in _REPLACEMENTS:
             names = ", ".join(f"torch.nn.{c.__name__}" for c in _REPLACEMENTS)
-            names += ", cupynorm.torch.LlamaRMSNorm"
+            names += ", " + ", ".join(f"cupynorm.torch.{c.__name__}" for c in _hf_norms.HF_NORMS)
             raise ValueError(f"replace_norms: {arg} takes classes among {names}; got {cls!r}")
         chosen.add(cls)
     return chosen
@@ -352,17 +382,20 @@ def replace_norms(
         model: the model; ``model`` itself is converted too if it is a normalization module.
         include: torch.nn classes to convert, with their subclasses (default: all ten but
             ``LayerNorm`` and ``RMSNorm``, whose training step is not faster yet: name them);
-            :class:`cupynorm.torch.LlamaRMSNorm` converts Hugging Face's RMSNorm layers of
-            Llama's formula (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``, ...; see
-            the module docstring), also opt-in.
-        exclude: torch.nn classes to leave alone (applied after ``include``).
+            the classes of :data:`cupynorm.torch.HF_NORMS` (:class:`~cupynorm.torch.LlamaRMSNorm`,
+            :class:`~cupynorm.torch.GemmaRMSNorm`, ...) convert transformers' norm layers of
+            their formula (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``GemmaRMSNorm``,
+            ``T5LayerNorm``, ...; see the module docstring), also opt-in:
+            ``include=[*cupynorm.torch.HF_NORMS, torch.nn.LayerNorm]`` converts every norm of
+            transformers' main model families.
+        exclude: classes to leave alone (applied after ``include``).
 
     Returns:
         ``model``, converted in place.
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
-        ValueError: ``include``/``exclude`` name a class other than the eleven above.
+        ValueError: ``include``/``exclude`` name a class other than those above.
 
     Example::
 
@@ -372,24 +405,37 @@ def replace_norms(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"replace_norms: expected a torch.nn.Module, got {type(model).__name__}")
     kinds = _classes("include", include) if include is not None else set(_REPLACEMENTS) - _OPT_IN
-    kinds -= _classes("exclude", exclude)
-    left_alone: dict[str, int] = {}
-    llama = _LLAMA_RMS in kinds
+    excluded = _classes("exclude", exclude)
+    kinds -= excluded
+    left_alone: dict[str, list] = {}  # name -> [count, why]
+
+    def leave_alone(cls: type, why: str = "") -> None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        entry = left_alone.setdefault(name, [0, why])
+        entry[0] += 1
+
+    hf_kinds = kinds & _HF_NORMS
     for module in model.modules():  # each module once, even when shared
         cls = type(module)
-        # an RMSNorm layer of another library: Llama's formula, else maybe a channel norm
-        # (timm's RmsNorm2d), else left alone
-        other_rms = llama and _llama_candidate(module)
-        if other_rms and _computes_like_llama(module):
-            module.__class__ = _adopted_llama(cls)
-            continue
+        # a norm layer of transformers (or another library): one of its formulas, else maybe a
+        # channel norm (timm's RmsNorm2d), else left alone
+        hf = bool(hf_kinds) and _hf_candidate(module)
+        why = ""
+        if hf:
+            formula, why = _hf_formula(module)
+            if formula is not None and formula.module in hf_kinds:
+                module.__class__ = _adopted_hf(cls, formula.module)
+                continue
+            if formula is not None:
+                if formula.module in excluded:
+                    continue
+                why = f"the formula of cupynorm.torch.{formula.module.__name__}, not in include"
         base = _torch_base(cls)
         if base is None or base not in kinds:
             if kinds & set(_CHANNEL_NORMS) and (channel := _channel_norm_of(module, kinds)):
                 module.__class__ = _adopted_channel_norm(cls, channel)
-            elif other_rms:
-                name = f"{cls.__module__}.{cls.__qualname__}"
-                left_alone[name] = left_alone.get(name, 0) + 1
+            elif hf:
+                leave_alone(cls, why)
             continue
         if cls is base:
             module.__class__ = _REPLACEMENTS[cls]
@@ -398,15 +444,17 @@ def replace_norms(
         elif (channel := _channel_norm_of(module, kinds)) is not None:
             module.__class__ = _adopted_channel_norm(cls, channel)
         else:
-            name = f"{cls.__module__}.{cls.__qualname__}"
-            left_alone[name] = left_alone.get(name, 0) + 1
+            leave_alone(cls)
     if left_alone:
-        names = ", ".join(f"{name} (x{count})" for name, count in left_alone.items())
+        names = ", ".join(
+            f"{name} (x{count}{', ' + why if why else ''})"
+            for name, (count, why) in left_alone.items()
+        )
         warnings.warn(
             "replace_norms: left alone the modules whose forward does not compute what their "
             "torch.nn norm class computes (alone, or followed by their drop and act "
-            "submodules), or, for RMSNorm layers of other libraries, Llama's RMSNorm: "
-            f"{names}",
+            "submodules), or, for norm layers of transformers and other libraries, the formula "
+            f"of a class of cupynorm.torch.HF_NORMS in include: {names}",
             UserWarning,
             stacklevel=2,
         )
