@@ -43,8 +43,8 @@ from torch import Tensor
 
 from cupynorm import _program
 
-from . import _checks, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _once_differentiable
+from . import _checks, _higher_order, _library, _replay
+from ._autograd import _bound_forward, _EagerFunction, _kernel_backward
 from ._policy import inductor_takes
 from ._reference import (
     ACTIVATIONS,
@@ -326,12 +326,21 @@ def _make_group_norm_act_backward(bwd):
     return backward
 
 
+# the backwards of double backward (create_graph=True), differentiable: _higher_order
+_group_norm_backward_composite = _make_group_norm_backward(_higher_order.group_norm_bwd, 6, 2)
+_group_norm_act_backward_composite = _make_group_norm_act_backward(_higher_order.group_norm_act_bwd)
 _library.register_autograd(
-    group_norm_fwd_op, _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_setup
+    group_norm_fwd_op,
+    _kernel_backward(
+        _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_backward_composite
+    ),
+    _group_norm_setup,
 )
 _library.register_autograd(
     group_norm_act_fwd_op,
-    _make_group_norm_act_backward(group_norm_act_bwd_op),
+    _kernel_backward(
+        _make_group_norm_act_backward(group_norm_act_bwd_op), _group_norm_act_backward_composite
+    ),
     _group_norm_act_setup,
 )
 
@@ -349,7 +358,11 @@ class _GroupNormFunction(_EagerFunction):
         _group_norm_setup(ctx, (x, num_groups, weight, bias, eps), output)
         return output
 
-    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 6, 2)))
+    backward = staticmethod(
+        _kernel_backward(
+            _make_group_norm_backward(_group_norm_bwd, 6, 2), _group_norm_backward_composite
+        )
+    )
 
 
 class _GroupNormActFunction(_EagerFunction):
@@ -360,7 +373,9 @@ class _GroupNormActFunction(_EagerFunction):
         return output
 
     backward = staticmethod(
-        _once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd))
+        _kernel_backward(
+            _make_group_norm_act_backward(_group_norm_act_bwd), _group_norm_act_backward_composite
+        )
     )
 
 
@@ -402,6 +417,27 @@ def _group_norm_replay_grads(ctx, dy):
         dx, dweight, dbias = _program.call_bound(forward, op, args)
     dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
     return (dx if needs[0] else None), dweight, dbias, dshift
+
+
+def _group_norm_replay_grads_composite(ctx, dy):
+    """:func:`_group_norm_replay_grads`, differentiable (double backward)."""
+    x, weight, bias, mean, rstd, shift = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    mask = (needs[0] or needs[3], needs[1], needs[2])
+    if ctx.act is None:
+        dx, dweight, dbias = _higher_order.group_norm_bwd(dy, x, mean, rstd, weight,
+                                                          ctx.num_groups, mask)  # fmt: skip
+    else:
+        # fmt: off
+        dx, dweight, dbias = _higher_order.group_norm_act_bwd(dy, x, mean, rstd, weight, bias,
+                                                              ctx.num_groups, mask, ctx.act,
+                                                              shift)
+        # fmt: on
+    dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
+    return (dx if needs[0] else None), dweight, dbias, dshift
+
+
+_group_norm_replay_grads.composite = _group_norm_replay_grads_composite
 
 
 def _replay_group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
@@ -525,7 +561,9 @@ def group_norm(
     _checks.check_tensor("group_norm", "input", input)
     # channels_last input stays on the kernels whatever its size: torch's group norm would give
     # it a contiguous output, and the model's next layer a copy back
-    on_kernels = _use_kernels(input, "group_norm") or (input.is_cuda and not input.is_contiguous())
+    on_kernels = _use_kernels(input, "group_norm") or (
+        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
+    )
     if not on_kernels or inductor_takes("group_norm"):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
