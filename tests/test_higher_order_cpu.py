@@ -53,18 +53,29 @@ def path(request, on_kernels, monkeypatch):
     return request.param
 
 
-def _r(*shape, grad=True, seed=0):
+def _random(*shape, grad=True, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed + sum(shape))
-    return torch.randn(shape, generator=g, dtype=D).requires_grad_(grad)
+    return torch.randn(shape, generator=g, dtype=D).to(device).requires_grad_(grad)
 
 
-def _stats():
+def _running_stats(device="cpu"):
     """Running statistics (new ones: the calls in training update them)."""
-    return torch.linspace(-0.5, 0.5, 6, dtype=D), torch.linspace(0.5, 1.5, 6, dtype=D)
+    return (
+        torch.linspace(-0.5, 0.5, 6, dtype=D, device=device),
+        torch.linspace(0.5, 1.5, 6, dtype=D, device=device),
+    )
 
 
-# name -> (cupynorm's call, torch's composite of the same, the inputs' maker)
-def _cases():
+def _cases(device: str = "cpu") -> dict:
+    """name -> (cupynorm's call, torch's composite of the same, the inputs' maker), float64
+    tensors on ``device`` (tests/test_higher_order_gpu.py: "cuda")."""
+
+    def _r(*shape, grad=True, seed=0):
+        return _random(*shape, grad=grad, seed=seed, device=device)
+
+    def _stats():
+        return _running_stats(device)
+
     row = lambda: (_r(3, 4, 5), _r(5, seed=1), _r(5, seed=2))  # noqa: E731
     grid = lambda: (_r(2, 6, 3, 4), _r(6, seed=1), _r(6, seed=2))  # noqa: E731
     relu = nn.functional.relu
@@ -238,7 +249,7 @@ def test_first_order_backward_takes_the_kernels(on_kernels, monkeypatch):
 
     counting(_row_norm, "_row_norm_bwd_reference", "kernel")
     counting(_higher_order, "_row_norm_bwd_reference", "composite")
-    x, w, b = _r(3, 4, 5), _r(5), _r(5)
+    x, w, b = _random(3, 4, 5), _random(5), _random(5)
     y = cnt.layer_norm(x, (5,), w, b)
     assert type(y.grad_fn).__name__ == "_RowNormFunctionBackward"
     torch.autograd.grad(y.sum(), (x, w, b))
@@ -252,7 +263,7 @@ def test_double_backward_of_a_module_with_retained_graph(on_kernels):
     the same graph: the first plain, the second create_graph, as torch's module."""
     ours, theirs = cnt.BatchNorm2d(6).double(), nn.BatchNorm2d(6).double()
     for layer in (ours, theirs):
-        x = _r(2, 6, 3, 4)
+        x = _random(2, 6, 3, 4)
         y = layer(x)
         (g1,) = torch.autograd.grad(y.square().sum(), x, retain_graph=True)
         (g2,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
@@ -293,7 +304,7 @@ def _replay_cases():
                 (5, False, (5,)),
                 lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, False),
             ),
-            lambda: (_r(3, 4, 5), None, _r(5), _r(5, seed=1)),
+            lambda: (_random(3, 4, 5), None, _random(5), _random(5, seed=1)),
         ),
         "add_rms_norm": (
             _replayed(
@@ -301,7 +312,7 @@ def _replay_cases():
                 (5, False, (5,)),
                 lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, True),
             ),
-            lambda: (_r(3, 4, 5), _r(3, 4, 5, seed=2), _r(5), None),
+            lambda: (_random(3, 4, 5), _random(3, 4, 5, seed=2), _random(5), None),
         ),
         "group_norm": (
             _replayed(
@@ -309,7 +320,7 @@ def _replay_cases():
                 (3, None),
                 lambda x, w, b, s: ref._group_norm_fwd_reference(x, 3, w, b, 1e-5),
             ),
-            lambda: (_r(2, 6, 3, 4), _r(6), _r(6, seed=1), None),
+            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
         ),
         "group_norm_act_silu_shift": (
             _replayed(
@@ -319,7 +330,7 @@ def _replay_cases():
                     x, 3, w, b, 1e-5, act="silu", shift=s
                 ),
             ),
-            lambda: (_r(2, 6, 3, 4), _r(6), _r(6, seed=1), _r(2, 6, seed=2)),
+            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), _random(2, 6, seed=2)),
         ),
         "batch_norm_training": (
             _replayed(
@@ -329,7 +340,7 @@ def _replay_cases():
                     x, w, b, None, None, True, 0.1, 1e-5
                 ),
             ),
-            lambda: (_r(2, 6, 3, 4), _r(6), _r(6, seed=1), None),
+            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
         ),
         "batch_norm_act_silu_residual": (
             _replayed(
@@ -339,7 +350,12 @@ def _replay_cases():
                     x, w, b, None, None, True, 0.1, 1e-5, z, "silu"
                 ),
             ),
-            lambda: (_r(2, 6, 3, 4), _r(6), _r(6, seed=1), _r(2, 6, 3, 4, seed=2)),
+            lambda: (
+                _random(2, 6, 3, 4),
+                _random(6),
+                _random(6, seed=1),
+                _random(2, 6, 3, 4, seed=2),
+            ),
         ),
         "channel_norm": (
             _replayed(
@@ -347,7 +363,7 @@ def _replay_cases():
                 None,
                 lambda x, w, b, _: ref._channel_norm_fwd_reference(x, w, b, 1e-5, False),
             ),
-            lambda: (_r(2, 6, 3, 4), _r(6), _r(6, seed=1), None),
+            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
         ),
     }
 
@@ -379,7 +395,7 @@ def test_sync_batchnorm_double_backward_raises_torchs_error(monkeypatch):
     torch's SyncBatchNorm raises (its backward ops have no derivative)."""
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda *args, **kwargs: None)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
-    x, w, b = _r(4, 6, 3), _r(6), _r(6, seed=1)
+    x, w, b = _random(4, 6, 3), _random(6), _random(6, seed=1)
     args = (x, w, b, None, None, 1e-5, 0.1, None, 1)
     y = sync_batchnorm._SyncBatchNormFunction.apply(*args)
     expected = torch.autograd.grad(F.batch_norm(x, None, None, w, b, True).square().sum(), x)
@@ -396,7 +412,7 @@ def test_sync_batchnorm_double_backward_raises_torchs_error(monkeypatch):
 def test_sync_batchnorm_without_a_group_has_double_backward(on_kernels):
     """Without a process group SyncBatchNorm is batch norm (torch's too): double backward."""
     layer = cnt.SyncBatchNorm(6).double()
-    x = _r(2, 6, 3, 4)
+    x = _random(2, 6, 3, 4)
     assert torch.autograd.gradgradcheck(lambda t: layer(t), (x,), eps=1e-6, atol=1e-5)
 
 
