@@ -8,6 +8,7 @@ the routing's real ``composite_only``). tests/test_higher_order_gpu.py: the same
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 
@@ -38,11 +39,8 @@ D = torch.float64
 def on_kernels(monkeypatch):
     """CPU tensors down the kernels' route (eager Functions) unless a transform or a forward-AD
     level is active: the route's own condition, without its CUDA test."""
-    patch_route(monkeypatch.setattr, "_use_kernels", lambda x, kind: not _composite_only())
-
-
-def _composite_only() -> bool:
-    return _higher_order.composite_only()
+    kernels = lambda x, kind: not _higher_order.composite_only()  # noqa: E731
+    patch_route(monkeypatch.setattr, "_use_kernels", kernels)
 
 
 @pytest.fixture(params=["eager", "custom_op"])
@@ -273,22 +271,13 @@ def test_double_backward_of_a_module_with_retained_graph(on_kernels):
 
 
 # ---- the replay Function: a replayed call's save and grads, its forward the reference -------
-class _Program:
-    """A recorded program whose run is ``outputs()`` (the reference kernel's)."""
-
-    def __init__(self, outputs) -> None:
-        self.outputs = outputs
-
-    def run(self, bk, device, tensors, pointers):
-        return self.outputs()
-
-
 def _replayed(save, info, forward):
-    """f(x, a, b, c): ``forward``'s outputs through the replay Function with ``save``."""
+    """f(x, a, b, c): ``forward``'s outputs (the reference kernel's, standing for a recorded
+    program's run) through the replay Function with the family's ``save``."""
 
     def call(x, a, b, c):
-        program = _Program(lambda: forward(x.detach(), *(t if t is None else t.detach()
-                                                         for t in (a, b, c))))  # fmt: skip
+        detached = [t if t is None else t.detach() for t in (x, a, b, c)]
+        program = types.SimpleNamespace(run=lambda *_: forward(*detached))
         replayed = _replay._Replayed(program, None, None, (), (), save, info)
         return _autograd._ReplayFunction.apply(x, a, b, c, replayed)
 
@@ -296,76 +285,49 @@ def _replayed(save, info, forward):
 
 
 def _replay_cases():
-    ref = _reference
+    """name -> (f(x, a, b, c) through the replay Function, the inputs' maker)."""
+    ref, rand = _reference, _random
+    grid = lambda *last: lambda: (rand(2, 6, 3, 4), rand(6), rand(6, seed=1), *last)  # noqa: E731
+    row_save, group_save = _row_norm._row_norm_replay_save, _group_norm._group_norm_replay_save
+    bn_save, bn_ref = _batch_norm._batch_norm_replay_save, ref._batch_norm_fwd_reference
     return {
         "row_norm": (
-            _replayed(
-                _row_norm._row_norm_replay_save,
-                (5, False, (5,)),
-                lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, False),
-            ),
-            lambda: (_random(3, 4, 5), None, _random(5), _random(5, seed=1)),
+            _replayed(row_save, (5, False, (5,)),
+                      lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, False)),
+            lambda: (rand(3, 4, 5), None, rand(5), rand(5, seed=1)),
         ),
         "add_rms_norm": (
-            _replayed(
-                _row_norm._row_norm_replay_save,
-                (5, False, (5,)),
-                lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, True),
-            ),
-            lambda: (_random(3, 4, 5), _random(3, 4, 5, seed=2), _random(5), None),
+            _replayed(row_save, (5, False, (5,)),
+                      lambda x, r, w, b: ref._row_norm_fwd_reference(x, r, w, b, 1, 1e-5, True)),
+            lambda: (rand(3, 4, 5), rand(3, 4, 5, seed=2), rand(5), None),
         ),
         "group_norm": (
-            _replayed(
-                _group_norm._group_norm_replay_save,
-                (3, None),
-                lambda x, w, b, s: ref._group_norm_fwd_reference(x, 3, w, b, 1e-5),
-            ),
-            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
+            _replayed(group_save, (3, None),
+                      lambda x, w, b, s: ref._group_norm_fwd_reference(x, 3, w, b, 1e-5)),
+            grid(None),
         ),
         "group_norm_act_silu_shift": (
-            _replayed(
-                _group_norm._group_norm_replay_save,
-                (3, "silu"),
-                lambda x, w, b, s: ref._group_norm_fwd_reference(
-                    x, 3, w, b, 1e-5, act="silu", shift=s
-                ),
-            ),
-            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), _random(2, 6, seed=2)),
+            _replayed(group_save, (3, "silu"),
+                      lambda x, w, b, s: ref._group_norm_fwd_reference(x, 3, w, b, 1e-5,
+                                                                       act="silu", shift=s)),
+            lambda: grid(rand(2, 6, seed=2))(),
         ),
         "batch_norm_training": (
-            _replayed(
-                _batch_norm._batch_norm_replay_save,
-                (True, "identity"),
-                lambda x, w, b, z: ref._batch_norm_fwd_reference(
-                    x, w, b, None, None, True, 0.1, 1e-5
-                ),
-            ),
-            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
+            _replayed(bn_save, (True, "identity"),
+                      lambda x, w, b, z: bn_ref(x, w, b, None, None, True, 0.1, 1e-5)),
+            grid(None),
         ),
         "batch_norm_act_silu_residual": (
-            _replayed(
-                _batch_norm._batch_norm_replay_save,
-                (True, "silu"),
-                lambda x, w, b, z: ref._batch_norm_fwd_reference(
-                    x, w, b, None, None, True, 0.1, 1e-5, z, "silu"
-                ),
-            ),
-            lambda: (
-                _random(2, 6, 3, 4),
-                _random(6),
-                _random(6, seed=1),
-                _random(2, 6, 3, 4, seed=2),
-            ),
+            _replayed(bn_save, (True, "silu"),
+                      lambda x, w, b, z: bn_ref(x, w, b, None, None, True, 0.1, 1e-5, z, "silu")),
+            lambda: grid(rand(2, 6, 3, 4, seed=2))(),
         ),
         "channel_norm": (
-            _replayed(
-                _channel_norm._channel_norm_replay_save,
-                None,
-                lambda x, w, b, _: ref._channel_norm_fwd_reference(x, w, b, 1e-5, False),
-            ),
-            lambda: (_random(2, 6, 3, 4), _random(6), _random(6, seed=1), None),
+            _replayed(_channel_norm._channel_norm_replay_save, None,
+                      lambda x, w, b, _: ref._channel_norm_fwd_reference(x, w, b, 1e-5, False)),
+            grid(None),
         ),
-    }
+    }  # fmt: skip
 
 
 REPLAY_CASES = _replay_cases()
@@ -588,31 +550,15 @@ def test_wgan_gp_step_with_a_layer_norm_critic_is_torchs(on_kernels):
     assert "RowNormFunction" in type(ours.norm1(torch.randn(2, 16, dtype=D)).grad_fn).__name__
 
 
-class _OldStyleProbe(torch.autograd.Function):
-    """An old-style Function (no setup_context): what torch says of one under a transform."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * 2
-
-
 def test_eager_function_under_a_transform_defers_to_torchs_apply():
     """Should a transform reach an eager Function (the route sends none), ``run`` is torch's
-    apply, with its answer for an old-style Function, not the C++ apply on wrapped tensors."""
+    apply, with its answer for an old-style Function (no setup_context), not the C++ apply on
+    wrapped tensors."""
     x = torch.randn(2, 6, 3)
-    errors = []
-    for fn in (
-        lambda t: _OldStyleProbe.apply(t).sum(),
-        lambda t: _group_norm._GroupNormFunction.run(t, 3, None, None, 1e-5)[0].sum(),
-    ):
-        with pytest.raises(RuntimeError) as error:
-            torch.func.grad(fn)(x)
-        errors.append(str(error.value))
-    assert errors[0] == errors[1] and "setup_context" in errors[0]
+    with pytest.raises(RuntimeError, match="must override the setup_context staticmethod"):
+        torch.func.grad(
+            lambda t: _group_norm._GroupNormFunction.run(t, 3, None, None, 1e-5)[0].sum()
+        )(x)
 
 
 def test_composite_only_follows_the_transform_and_level():
@@ -626,17 +572,18 @@ def test_composite_only_follows_the_transform_and_level():
     assert seen == [True, True]
 
 
+def _packed_bits(flat):
+    """Booleans packed 8 to a byte, bit e of byte j for element 8j + e (the kernels' order)."""
+    padded = torch.cat((flat, flat.new_zeros(-flat.numel() % 8))).reshape(-1, 8).to(torch.int32)
+    return (padded << torch.arange(8, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
+
+
 def test_unpack_relu_mask_reads_the_kernels_bit_order():
     """Bit e of byte j is element 8j + e of x's memory order (channels_last: N, H, W, C)."""
     x = torch.randn(2, 3, 2, 3).to(memory_format=torch.channels_last)
-    positive = x > 0
-    flat = positive.permute(0, 2, 3, 1).reshape(-1)
-    padded = torch.cat((flat, flat.new_zeros(-flat.numel() % 8))).reshape(-1, 8).to(torch.int32)
-    packed = (padded << torch.arange(8, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
-    assert torch.equal(_higher_order.unpack_relu_mask(packed, x), positive)
+    packed = _packed_bits((x > 0).permute(0, 2, 3, 1).reshape(-1))
+    assert torch.equal(_higher_order.unpack_relu_mask(packed, x), x > 0)
     y = torch.randn(2, 3, 5)
-    flat = (y > 0).reshape(-1)
-    padded = torch.cat((flat, flat.new_zeros(-flat.numel() % 8))).reshape(-1, 8).to(torch.int32)
-    packed = (padded << torch.arange(8, dtype=torch.int32)).sum(dim=1).to(torch.uint8)
-    assert torch.equal(_higher_order.unpack_relu_mask(packed, y), y > 0)
+    packed = _packed_bits((y > 0).reshape(-1))
     assert math.prod(packed.shape) == math.ceil(y.numel() / 8)
+    assert torch.equal(_higher_order.unpack_relu_mask(packed, y), y > 0)

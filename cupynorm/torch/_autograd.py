@@ -120,6 +120,12 @@ def _kernel_backward(kernel, composite):
     return backward
 
 
+def _made_backward(make, kernel_bwd, composite_bwd, *args):
+    """:func:`_kernel_backward` of a family's backward maker ``make(bwd, *args)`` on its
+    backward kernel (or op) and on the same differentiable backward (:mod:`._higher_order`)."""
+    return _kernel_backward(make(kernel_bwd, *args), make(composite_bwd, *args))
+
+
 def _dropping_bound(backward):
     """``backward`` for a Function whose ctx may keep the forward's program (``ctx.bound``,
     :func:`_keep_forward`): the reference dropped first, as the kernel's backward drops it."""

@@ -252,19 +252,7 @@ def _batch_norm_act_grads(ctx, dy, residual_at: int = 3, dense: bool = True) -> 
     # fmt: on
 
 
-def _batch_norm_act_grads_composite(ctx, dy, residual_at: int = 3) -> tuple:
-    """:func:`_batch_norm_act_grads`, differentiable (double backward; the ReLU's mask read
-    where the forward kept it)."""
-    x, weight, save_mean, save_rstd, residual, bias, relu_mask = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    mask = (needs[0], needs[1], needs[2], needs[residual_at])
-    # fmt: off
-    return _higher_order.batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight, ctx.training,
-                                            mask, residual, bias, ctx.act, None, relu_mask)
-    # fmt: on
-
-
-_batch_norm_act_grads.composite = _batch_norm_act_grads_composite
+_batch_norm_act_grads.composite = _higher_order.batch_norm_act_grads  # double backward
 
 
 @_dropping_bound
@@ -278,7 +266,7 @@ def _batch_norm_act_backward_eager_composite(ctx, dy, *_stat_grads):
     """:func:`_batch_norm_act_backward_eager`, differentiable (double backward)."""
     if dy is None:
         return (None,) * 11
-    dx, dweight, dbias, dres = _batch_norm_act_grads_composite(ctx, dy, 8)
+    dx, dweight, dbias, dres = _higher_order.batch_norm_act_grads(ctx, dy, 8)
     return dx, dweight, dbias, None, None, None, None, None, dres, None, None
 
 

@@ -211,14 +211,7 @@ def _channel_norm_replay_grads(ctx, dy):
     return (*_channel_norm_bwd(dy, x, mean, rstd, weight, [needs[0], needs[1], needs[2]]), None)
 
 
-def _channel_norm_replay_grads_composite(ctx, dy):
-    """:func:`_channel_norm_replay_grads`, differentiable (double backward)."""
-    x, weight, mean, rstd = ctx.saved_tensors
-    mask = list(ctx.needs_input_grad[:3])
-    return (*_higher_order.channel_norm_bwd(dy, x, mean, rstd, weight, mask), None)
-
-
-_channel_norm_replay_grads.composite = _channel_norm_replay_grads_composite
+_channel_norm_replay_grads.composite = _higher_order.channel_norm_replay_grads
 
 
 def _replay_channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:

@@ -44,7 +44,7 @@ from torch import Tensor
 from cupynorm import _program
 
 from . import _checks, _higher_order, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _kernel_backward
+from ._autograd import _bound_forward, _EagerFunction, _made_backward
 from ._policy import inductor_takes
 from ._reference import (
     ACTIVATIONS,
@@ -326,20 +326,17 @@ def _make_group_norm_act_backward(bwd):
     return backward
 
 
-# the backwards of double backward (create_graph=True), differentiable: _higher_order
-_group_norm_backward_composite = _make_group_norm_backward(_higher_order.group_norm_bwd, 6, 2)
-_group_norm_act_backward_composite = _make_group_norm_act_backward(_higher_order.group_norm_act_bwd)
 _library.register_autograd(
     group_norm_fwd_op,
-    _kernel_backward(
-        _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_backward_composite
+    _made_backward(
+        _make_group_norm_backward, group_norm_bwd_op, _higher_order.group_norm_bwd, 6, 2
     ),
     _group_norm_setup,
 )
 _library.register_autograd(
     group_norm_act_fwd_op,
-    _kernel_backward(
-        _make_group_norm_act_backward(group_norm_act_bwd_op), _group_norm_act_backward_composite
+    _made_backward(
+        _make_group_norm_act_backward, group_norm_act_bwd_op, _higher_order.group_norm_act_bwd
     ),
     _group_norm_act_setup,
 )
@@ -359,8 +356,8 @@ class _GroupNormFunction(_EagerFunction):
         return output
 
     backward = staticmethod(
-        _kernel_backward(
-            _make_group_norm_backward(_group_norm_bwd, 6, 2), _group_norm_backward_composite
+        _made_backward(
+            _make_group_norm_backward, _group_norm_bwd, _higher_order.group_norm_bwd, 6, 2
         )
     )
 
@@ -373,8 +370,8 @@ class _GroupNormActFunction(_EagerFunction):
         return output
 
     backward = staticmethod(
-        _kernel_backward(
-            _make_group_norm_act_backward(_group_norm_act_bwd), _group_norm_act_backward_composite
+        _made_backward(
+            _make_group_norm_act_backward, _group_norm_act_bwd, _higher_order.group_norm_act_bwd
         )
     )
 
@@ -419,25 +416,7 @@ def _group_norm_replay_grads(ctx, dy):
     return (dx if needs[0] else None), dweight, dbias, dshift
 
 
-def _group_norm_replay_grads_composite(ctx, dy):
-    """:func:`_group_norm_replay_grads`, differentiable (double backward)."""
-    x, weight, bias, mean, rstd, shift = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    mask = (needs[0] or needs[3], needs[1], needs[2])
-    if ctx.act is None:
-        dx, dweight, dbias = _higher_order.group_norm_bwd(dy, x, mean, rstd, weight,
-                                                          ctx.num_groups, mask)  # fmt: skip
-    else:
-        # fmt: off
-        dx, dweight, dbias = _higher_order.group_norm_act_bwd(dy, x, mean, rstd, weight, bias,
-                                                              ctx.num_groups, mask, ctx.act,
-                                                              shift)
-        # fmt: on
-    dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
-    return (dx if needs[0] else None), dweight, dbias, dshift
-
-
-_group_norm_replay_grads.composite = _group_norm_replay_grads_composite
+_group_norm_replay_grads.composite = _higher_order.group_norm_replay_grads  # double backward
 
 
 def _replay_group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,

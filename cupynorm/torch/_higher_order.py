@@ -23,7 +23,8 @@ recomputed from its input (:func:`._reference._activation_grad`).
 The functions here take the arguments of the families' backward kernels (``_<op>_bwd``), so a
 family builds its create_graph backward with the backward maker it builds the first-order one
 with (:func:`._autograd._kernel_backward` picks one by grad mode, a check the backward made
-already).
+already); the replayed calls' (``ctx.grads.composite`` of :class:`._autograd._ReplayFunction`)
+read the ctx their family's replay save filled, as its ``_<family>_replay_grads`` does.
 
 **Transforms.** ``torch.func`` transforms (vmap, grad, jacrev, jvp, ...) and forward-mode AD
 (``torch.autograd.forward_ad``) need every op to have a batching rule or a forward derivative;
@@ -172,3 +173,61 @@ def row_norm_add_mul_bwd(dout, x, y, mean, rstd):
     """:func:`._row_norm_add_mul._row_norm_add_mul_bwd`, differentiable."""
     mean, rstd = _stats(x.to(_stat_dtype(x.dtype)), -1, mean, rstd)
     return _row_norm_add_mul_bwd_reference(dout, x, y, mean, rstd)
+
+
+# ---------------------------------------------------------------------------------------------
+# the replayed calls' gradients (cupynorm.torch._replay), differentiable: ctx as each family's
+# ``_<family>_replay_save`` left it, the gradients of (x, a, b, c) as its ``_replay_grads``
+# ---------------------------------------------------------------------------------------------
+def row_norm_replay_grads(ctx, dy, dsum=None):
+    """:func:`._row_norm._row_norm_replay_grads`: the gradient of the normalized rows (plus
+    that of the sum) goes to x and the residual alike."""
+    needs = ctx.needs_input_grad
+    want_x = needs[0] or needs[1]
+    dx = dweight = dbias = None
+    if dy is not None:
+        normalized, weight, mean, rstd = ctx.saved_tensors
+        _row_len, cast, dims = ctx.row
+        mask = (want_x, needs[2], needs[3])
+        dsum = dsum if want_x else None
+        # fmt: off
+        dx, dweight, dbias = row_norm_bwd(dy, dsum, normalized, mean, rstd, weight, len(dims),
+                                          mask, cast)
+        # fmt: on
+    elif want_x:
+        dx = dsum
+    return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
+
+
+def channel_norm_replay_grads(ctx, dy):
+    """:func:`._channel_norm._channel_norm_replay_grads`."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    return (*channel_norm_bwd(dy, x, mean, rstd, weight, list(ctx.needs_input_grad[:3])), None)
+
+
+def group_norm_replay_grads(ctx, dy):
+    """:func:`._group_norm._group_norm_replay_grads`: plain (``ctx.act`` None) or fused."""
+    x, weight, bias, mean, rstd, shift = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    mask = (needs[0] or needs[3], needs[1], needs[2])  # the shift's gradient sums dx
+    if ctx.act is None:
+        dx, dweight, dbias = group_norm_bwd(dy, x, mean, rstd, weight, ctx.num_groups, mask)
+    else:
+        # fmt: off
+        dx, dweight, dbias = group_norm_act_bwd(dy, x, mean, rstd, weight, bias, ctx.num_groups,
+                                                mask, ctx.act, shift)
+        # fmt: on
+    dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
+    return (dx if needs[0] else None), dweight, dbias, dshift
+
+
+def batch_norm_act_grads(ctx, dy, residual_at: int = 3) -> tuple:
+    """:func:`._batch_norm._batch_norm_act_grads` (the replay's, and the eager fused
+    Function's with ``residual_at`` 8): (dx, dweight, dbias, dresidual)."""
+    x, weight, save_mean, save_rstd, residual, bias, relu_mask = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    mask = (needs[0], needs[1], needs[2], needs[residual_at])
+    # fmt: off
+    return batch_norm_act_bwd(dy, x, save_mean, save_rstd, weight, ctx.training, mask, residual,
+                              bias, ctx.act, None, relu_mask)
+    # fmt: on

@@ -294,25 +294,7 @@ def _row_norm_replay_grads(ctx, dy, dsum=None):
     return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
 
 
-def _row_norm_replay_grads_composite(ctx, dy, dsum=None):
-    """:func:`_row_norm_replay_grads`, differentiable (double backward)."""
-    needs = ctx.needs_input_grad
-    want_x = needs[0] or needs[1]
-    dx = dweight = dbias = None
-    if dy is not None:
-        normalized, weight, mean, rstd = ctx.saved_tensors
-        _row_len, cast, dims = ctx.row
-        mask = (want_x, needs[2], needs[3])
-        # fmt: off
-        dx, dweight, dbias = _higher_order.row_norm_bwd(dy, dsum if want_x else None, normalized,
-                                                        mean, rstd, weight, len(dims), mask, cast)
-        # fmt: on
-    elif want_x:
-        dx = dsum
-    return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
-
-
-_row_norm_replay_grads.composite = _row_norm_replay_grads_composite
+_row_norm_replay_grads.composite = _higher_order.row_norm_replay_grads  # double backward
 
 
 def _replay_row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,
