@@ -375,53 +375,6 @@ def test_kernel_route_row_norm_add_mul(kernel_path):
     )
 
 
-class _OnceDifferentiableProbe(torch.autograd.Function):
-    """An old-style Function with torch's own once_differentiable backward: what torch says."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        return grad * 2
-
-
-def _error_of(fn) -> tuple[type, str]:
-    with pytest.raises(Exception) as info:
-        fn()
-    return info.type, str(info.value)
-
-
-def test_eager_second_derivative_raises_torch_error(kernels):
-    """The eager Functions' backward is a kernel with no derivative: a second derivative raises
-    what torch's once_differentiable raises (the lean wrapper defers to it in grad mode)."""
-
-    def second(apply):
-        x = torch.randn(2, 3, 4, 4, requires_grad=True)
-        (g,) = torch.autograd.grad(apply(x).square().sum(), x, create_graph=True)
-        g.sum().backward()
-
-    expected = _error_of(lambda: second(_OnceDifferentiableProbe.apply))
-    for module in (cnt.BatchNorm2d(3), cnt.GroupNorm(3, 3), cnt.BatchNormAct2d(3)):
-        assert _error_of(lambda m=module: second(m)) == expected, type(module).__name__
-
-
-def test_eager_under_functorch_transform_uses_torch_apply(kernels):
-    """Under a torch.func transform the eager Functions go through torch's Function.apply (the
-    C++ apply is called directly only with no transform active), so a transform meets torch's
-    own answer for an old-style Function."""
-    x = torch.randn(2, 3, 4, 4)
-    expected = _error_of(
-        lambda: torch.func.grad(lambda t: _OnceDifferentiableProbe.apply(t).sum())(x)
-    )
-    # (no running statistics: their in-place update is an error of its own under a transform)
-    for module in (cnt.BatchNorm2d(3, track_running_stats=False), cnt.GroupNorm(3, 3)):
-        got = _error_of(lambda m=module: torch.func.grad(lambda t: m(t).sum())(x))
-        assert got == expected, type(module).__name__
-
-
 # ---------------------------------------------------------------------------------------------
 # the custom ops: opcheck, gradcheck, fake tensors
 # ---------------------------------------------------------------------------------------------

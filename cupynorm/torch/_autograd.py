@@ -7,8 +7,9 @@ Functions are old-style ``forward(ctx, ...)`` subclasses of :class:`_EagerFuncti
 defines ``setup_context`` pays for an ``inspect.signature()`` bind on every ``apply`` (measured:
 +13 us per call on the dev machine's CPU). Here: that base, the backward bound to the forward's
 recorded program (:func:`_keep_forward`, :func:`_bound_forward`), and the Function of a
-replayed call (:class:`_ReplayFunction`). Double backward is not supported: the backward is a
-kernel without a derivative (``once_differentiable``).
+replayed call (:class:`_ReplayFunction`). The backward is a kernel without a derivative; under
+``create_graph=True`` (double backward) each Function computes its gradients with its
+differentiable composite instead (:func:`_kernel_backward`, :mod:`._higher_order`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import functools
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
-from torch.autograd.function import once_differentiable
 
 # ---- the backward bound at forward time (eager Functions) ------------------------------------
 # Everything in the backward's recorded-call key but dy is fixed by the forward: its input,
@@ -75,10 +75,9 @@ def _bound_forward(ctx, saved: tuple):
 # ---------------------------------------------------------------------------------------------
 # Host time per call: torch's ``Function.apply`` is a Python classmethod that, before the C++
 # apply, checks for a setup_context, asks whether a functorch transform is active and unwraps
-# dead functorch wrappers; ``once_differentiable`` opens a no_grad context around a backward
-# that autograd already runs with grad mode off. ``_EagerFunction.run`` calls the C++ apply
-# itself (after the same unwrapping) when no transform is active, and ``_once_differentiable``
-# calls the backward directly when grad mode is off; otherwise both are torch's own.
+# dead functorch wrappers. ``_EagerFunction.run`` calls the C++ apply itself (after the same
+# unwrapping) when no transform is active, else torch's (the functional API takes torch's
+# composite path under transforms: ``_route._use_kernels``).
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
 _transforms_active = torch._C._are_functorch_transforms_active
 
@@ -105,16 +104,36 @@ class _EagerFunction(torch.autograd.Function):
         cls.run = staticmethod(run)
 
 
-def _once_differentiable(fn):
-    """torch's ``once_differentiable(fn)``, without its no_grad context when grad mode is off
-    (every backward but one run with ``create_graph=True``, which gets torch's own)."""
-    checked = once_differentiable(fn)
+def _kernel_backward(kernel, composite):
+    """A Function's backward: ``kernel`` (the backward on the kernels) when grad mode is off --
+    every backward but one run with ``create_graph=True`` -- else ``composite``, the same
+    gradients from differentiable torch operations (:mod:`._higher_order`), so that double
+    backward works. (torch's ``once_differentiable`` would open a no_grad context around a
+    backward that autograd already runs with grad mode off.)"""
 
-    @functools.wraps(fn)
-    def wrapper(ctx, *args):
+    @functools.wraps(kernel)
+    def backward(ctx, *args):
         if torch.is_grad_enabled():
-            return checked(ctx, *args)
-        return fn(ctx, *args)
+            return composite(ctx, *args)
+        return kernel(ctx, *args)
+
+    return backward
+
+
+def _made_backward(make, kernel_bwd, composite_bwd, *args):
+    """:func:`_kernel_backward` of a family's backward maker ``make(bwd, *args)`` on its
+    backward kernel (or op) and on the same differentiable backward (:mod:`._higher_order`)."""
+    return _kernel_backward(make(kernel_bwd, *args), make(composite_bwd, *args))
+
+
+def _dropping_bound(backward):
+    """``backward`` for a Function whose ctx may keep the forward's program (``ctx.bound``,
+    :func:`_keep_forward`): the reference dropped first, as the kernel's backward drops it."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        ctx.bound = None
+        return backward(ctx, *args)
 
     return wrapper
 
@@ -123,7 +142,8 @@ def _once_differentiable(fn):
 # A family's ``save(ctx, call, x, a, b, c, outputs)`` saves what its full Function saves (for the
 # same backward), binds the backward to the forward's program (the replay's condition: no
 # saved-tensor hooks) and returns the Function's outputs; ``ctx.grads(ctx, *grad_outputs)``
-# gives the gradients of x, a, b, c. ``call.info``: the family's constants of the call.
+# gives the gradients of x, a, b, c, and ``ctx.grads.composite`` the same differentiably (double
+# backward, :mod:`._higher_order`). ``call.info``: the family's constants of the call.
 class _ReplayFunction(_EagerFunction):
     """A replayed eager norm call: ``forward(ctx, x, a, b, c, call)`` runs ``call``'s recorded
     program and hands its outputs to ``call.save``, its family's (:mod:`._replay`)."""
@@ -134,6 +154,8 @@ class _ReplayFunction(_EagerFunction):
         return call.save(ctx, call, x, a, b, c, outputs)
 
     @staticmethod
-    @_once_differentiable
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # create_graph=True
+            ctx.bound = None
+            return (*ctx.grads.composite(ctx, *grad_outputs), None)
         return (*ctx.grads(ctx, *grad_outputs), None)

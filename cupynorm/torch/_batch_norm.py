@@ -29,8 +29,14 @@ from torch import Tensor
 
 from cupynorm import _program
 
-from . import _checks, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _keep_forward, _once_differentiable
+from . import _checks, _higher_order, _library, _replay
+from ._autograd import (
+    _bound_forward,
+    _dropping_bound,
+    _EagerFunction,
+    _keep_forward,
+    _kernel_backward,
+)
 from ._batch_norm_kernels import (
     _batch_norm_act_bwd,
     _batch_norm_act_bwd_cuda,
@@ -162,12 +168,19 @@ def _make_batch_norm_act_backward(bwd):
     return backward
 
 
+# the backwards of double backward (create_graph=True), differentiable: _higher_order
+_batch_norm_backward_composite = _make_batch_norm_backward(_higher_order.batch_norm_bwd)
 _library.register_autograd(
-    batch_norm_fwd_op, _make_batch_norm_backward(batch_norm_bwd_op), _batch_norm_setup
+    batch_norm_fwd_op,
+    _kernel_backward(_make_batch_norm_backward(batch_norm_bwd_op), _batch_norm_backward_composite),
+    _batch_norm_setup,
 )
 _library.register_autograd(
     batch_norm_act_fwd_op,
-    _make_batch_norm_act_backward(batch_norm_act_bwd_op),
+    _kernel_backward(
+        _make_batch_norm_act_backward(batch_norm_act_bwd_op),
+        _make_batch_norm_act_backward(_higher_order.batch_norm_act_bwd),
+    ),
     _batch_norm_act_setup,
 )
 
@@ -239,6 +252,24 @@ def _batch_norm_act_grads(ctx, dy, residual_at: int = 3, dense: bool = True) -> 
     # fmt: on
 
 
+_batch_norm_act_grads.composite = _higher_order.batch_norm_act_grads  # double backward
+
+
+@_dropping_bound
+def _batch_norm_backward_eager_composite(ctx, dy, *stat_grads):
+    """:func:`_batch_norm_backward_eager`, differentiable (double backward)."""
+    return (*_batch_norm_backward_composite(ctx, dy, *stat_grads), None)  # batches_tracked
+
+
+@_dropping_bound
+def _batch_norm_act_backward_eager_composite(ctx, dy, *_stat_grads):
+    """:func:`_batch_norm_act_backward_eager`, differentiable (double backward)."""
+    if dy is None:
+        return (None,) * 11
+    dx, dweight, dbias, dres = _higher_order.batch_norm_act_grads(ctx, dy, 8)
+    return dx, dweight, dbias, None, None, None, None, None, dres, None, None
+
+
 # ``batches_tracked``: a module's num_batches_tracked, incremented by the forward's kernels, or
 # None (the backwards return a None more than there are inputs then, which autograd allows)
 class _BatchNormFunction(_EagerFunction):
@@ -250,7 +281,9 @@ class _BatchNormFunction(_EagerFunction):
         _keep_forward(ctx, program, _batch_norm_setup(ctx, inputs, output))
         return output
 
-    backward = staticmethod(_once_differentiable(_batch_norm_backward_eager))
+    backward = staticmethod(
+        _kernel_backward(_batch_norm_backward_eager, _batch_norm_backward_eager_composite)
+    )
 
 
 class _BatchNormActFunction(_EagerFunction):
@@ -278,7 +311,9 @@ class _BatchNormActFunction(_EagerFunction):
         _keep_forward(ctx, program, _batch_norm_act_setup(ctx, inputs, output, relu_mask))
         return output
 
-    backward = staticmethod(_once_differentiable(_batch_norm_act_backward_eager))
+    backward = staticmethod(
+        _kernel_backward(_batch_norm_act_backward_eager, _batch_norm_act_backward_eager_composite)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _library, _replay
-from ._autograd import _EagerFunction, _once_differentiable
+from . import _checks, _higher_order, _library, _replay
+from ._autograd import _EagerFunction, _kernel_backward
 from ._policy import inductor_takes
 from ._reference import (
     _channel_norm_bwd_reference,
@@ -164,8 +164,13 @@ def _make_channel_norm_backward(bwd):
     return backward
 
 
+_channel_norm_backward_composite = _make_channel_norm_backward(_higher_order.channel_norm_bwd)
 _library.register_autograd(
-    channel_norm_fwd_op, _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_setup
+    channel_norm_fwd_op,
+    _kernel_backward(
+        _make_channel_norm_backward(channel_norm_bwd_op), _channel_norm_backward_composite
+    ),
+    _channel_norm_setup,
 )
 
 
@@ -179,7 +184,11 @@ class _ChannelNormFunction(_EagerFunction):
         _channel_norm_setup(ctx, (x, weight, bias, eps, rms), output)
         return output
 
-    backward = staticmethod(_once_differentiable(_make_channel_norm_backward(_channel_norm_bwd)))
+    backward = staticmethod(
+        _kernel_backward(
+            _make_channel_norm_backward(_channel_norm_bwd), _channel_norm_backward_composite
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +209,9 @@ def _channel_norm_replay_grads(ctx, dy):
     x, weight, mean, rstd = ctx.saved_tensors
     needs = ctx.needs_input_grad
     return (*_channel_norm_bwd(dy, x, mean, rstd, weight, [needs[0], needs[1], needs[2]]), None)
+
+
+_channel_norm_replay_grads.composite = _higher_order.channel_norm_replay_grads
 
 
 def _replay_channel_norm(x, weight, bias, eps, rms, origin, grad) -> tuple[Tensor | None, Token]:

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from cupynorm import _program
 
-from . import _checks, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _once_differentiable
+from . import _checks, _higher_order, _library, _replay
+from ._autograd import _bound_forward, _EagerFunction, _made_backward
 from ._policy import inductor_takes
 from ._reference import (
     ACTIVATIONS,
@@ -327,11 +327,17 @@ def _make_group_norm_act_backward(bwd):
 
 
 _library.register_autograd(
-    group_norm_fwd_op, _make_group_norm_backward(group_norm_bwd_op, 6, 2), _group_norm_setup
+    group_norm_fwd_op,
+    _made_backward(
+        _make_group_norm_backward, group_norm_bwd_op, _higher_order.group_norm_bwd, 6, 2
+    ),
+    _group_norm_setup,
 )
 _library.register_autograd(
     group_norm_act_fwd_op,
-    _make_group_norm_act_backward(group_norm_act_bwd_op),
+    _made_backward(
+        _make_group_norm_act_backward, group_norm_act_bwd_op, _higher_order.group_norm_act_bwd
+    ),
     _group_norm_act_setup,
 )
 
@@ -349,7 +355,11 @@ class _GroupNormFunction(_EagerFunction):
         _group_norm_setup(ctx, (x, num_groups, weight, bias, eps), output)
         return output
 
-    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 6, 2)))
+    backward = staticmethod(
+        _made_backward(
+            _make_group_norm_backward, _group_norm_bwd, _higher_order.group_norm_bwd, 6, 2
+        )
+    )
 
 
 class _GroupNormActFunction(_EagerFunction):
@@ -360,7 +370,9 @@ class _GroupNormActFunction(_EagerFunction):
         return output
 
     backward = staticmethod(
-        _once_differentiable(_make_group_norm_act_backward(_group_norm_act_bwd))
+        _made_backward(
+            _make_group_norm_act_backward, _group_norm_act_bwd, _higher_order.group_norm_act_bwd
+        )
     )
 
 
@@ -402,6 +414,9 @@ def _group_norm_replay_grads(ctx, dy):
         dx, dweight, dbias = _program.call_bound(forward, op, args)
     dshift = dx.sum(dim=tuple(range(2, dx.dim()))) if needs[3] else None
     return (dx if needs[0] else None), dweight, dbias, dshift
+
+
+_group_norm_replay_grads.composite = _higher_order.group_norm_replay_grads  # double backward
 
 
 def _replay_group_norm(x, num_groups, weight, bias, eps, act, shift, origin, grad,
@@ -525,7 +540,9 @@ def group_norm(
     _checks.check_tensor("group_norm", "input", input)
     # channels_last input stays on the kernels whatever its size: torch's group norm would give
     # it a contiguous output, and the model's next layer a copy back
-    on_kernels = _use_kernels(input, "group_norm") or (input.is_cuda and not input.is_contiguous())
+    on_kernels = _use_kernels(input, "group_norm") or (
+        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
+    )
     if not on_kernels or inductor_takes("group_norm"):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _group_norm_route(input, num_groups, weight, bias, eps, None, None)

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _library
-from ._autograd import _EagerFunction, _once_differentiable
+from . import _checks, _higher_order, _library
+from ._autograd import _EagerFunction, _kernel_backward
 from ._batch_norm import _apply_batch_norm
 from ._group_norm import (
     _apply_group_norm,
@@ -99,8 +99,13 @@ def _instance_norm_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+_instance_norm_backward_composite = _make_group_norm_backward(_higher_order.group_norm_bwd, 7, 1)
 _library.register_autograd(
-    instance_norm_fwd_op, _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_setup
+    instance_norm_fwd_op,
+    _kernel_backward(
+        _make_group_norm_backward(group_norm_bwd_op, 7, 1), _instance_norm_backward_composite
+    ),
+    _instance_norm_setup,
 )
 
 
@@ -115,7 +120,11 @@ class _InstanceNormFunction(_EagerFunction):
         _instance_norm_setup(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_once_differentiable(_make_group_norm_backward(_group_norm_bwd, 7, 1)))
+    backward = staticmethod(
+        _kernel_backward(
+            _make_group_norm_backward(_group_norm_bwd, 7, 1), _instance_norm_backward_composite
+        )
+    )
 
 
 def _apply_instance_norm(x, weight, bias, running_mean, running_var, momentum, eps) -> Tensor:

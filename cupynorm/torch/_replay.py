@@ -24,7 +24,8 @@ C) view, under the function's name as origin). What is a family's is in its modu
 module imports no family: it is the generic part, :func:`run` and :func:`validated`.
 
 Replayed: CUDA tensors, no tracing (``torch.compile``, tensor subclasses, dispatch modes), no
-functorch transform, and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
+functorch transform nor forward-AD level (the route sends those to torch before any replay:
+``_route._use_kernels``), and, when a gradient is needed, no saved-tensor hooks (a checkpoint or
 offloading gets the full path, whose Function saves through them). Anything else -- the first call
 of a key, a call torch's checks reject, a layout that needs a copy -- takes the full path.
 """
@@ -37,7 +38,7 @@ import torch
 
 from cupynorm import _program
 
-from ._autograd import _hooks_active, _ReplayFunction, _transforms_active
+from ._autograd import _hooks_active, _ReplayFunction
 
 #: a functorch wrapper of a dead transform level unwrapped (what ``Function.apply`` does)
 unwrap = torch._C._functorch.unwrap_if_dead
@@ -62,11 +63,11 @@ def run(name, args, kwargs, origin, grad, save, info, tensors) -> tuple[Any, Tok
     """The host op call ``name(*args, **kwargs)`` replayed: (its outputs (no ``grad``) or the
     replay Function's, None); or (None, the token to hand :func:`validated`) when its program
     was not validated for ``origin``; or (None, None) when something besides the call decides
-    (a recording, a functorch transform, saved-tensor hooks when the call needs autograd) or a
+    (a recording, saved-tensor hooks when the call needs autograd) or a
     tensor is on another device. What the family gives: ``save`` and ``info``, its save
     function and the call's constants (:class:`._autograd._ReplayFunction`); ``tensors``: the
     Function's inputs (x, a, b, c)."""
-    if _program._active.recording is not None or _transforms_active():
+    if _program._active.recording is not None:
         return None, None
     if grad and _hooks_active():
         return None, None

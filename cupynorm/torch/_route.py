@@ -1,9 +1,11 @@
 """The routing every norm family's functional shares: which calls run on cupynorm's kernels, which
 go through the custom op, which may be replayed, and what the kernels take under autocast.
 
-A functional call on a CUDA tensor (:func:`_use_kernels`) runs on the kernels: through the
-custom op when something traces (:func:`_traced`), else eagerly through the family's
-``autograd.Function`` when a gradient is needed (:func:`_wants_grad`), else on the kernel alone.
+A functional call on a CUDA tensor (:func:`_use_kernels`) outside ``torch.func`` transforms and
+forward-mode AD (those take torch's composite path: :mod:`._higher_order`) runs on the kernels:
+through the custom op when something traces (:func:`_traced`), else eagerly through the
+family's ``autograd.Function`` when a gradient is needed (:func:`_wants_grad`), else on the
+kernel alone.
 A call nothing traces on plain tensors may be a replay (:func:`_replay_candidate`,
 :mod:`._replay`). The host code validates nothing: :mod:`._checks` does, on the kernel route.
 
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._higher_order import composite_only
 from ._policy import EAGER_ADAPTIVE, EAGER_MIN_BYTES, gpu_behind
 
 _is_compiling = torch.compiler.is_compiling
@@ -29,13 +32,15 @@ def _use_kernels(x: Tensor, kind: str) -> bool:
     """Whether the functional API runs cupynorm's kernels on ``x`` (else torch.nn.functional):
     CUDA tensors, but for an eager call of ``kind`` smaller than its size in the eager policy
     (:func:`cupynorm.torch.set_eager_min_bytes`) outside a CUDA graph capture, nor one at or
-    above it while the GPU keeps up with the host (:func:`._policy.gpu_behind`). Traced calls
-    are the compile policy's (:func:`._policy.inductor_takes`); their size is never read (a
-    guard).
+    above it while the GPU keeps up with the host (:func:`._policy.gpu_behind`), and none while
+    a ``torch.func`` transform or a forward-AD level is active
+    (:func:`._higher_order.composite_only`: the kernels' Functions have no batching rule nor
+    forward derivative). Traced calls are the compile policy's
+    (:func:`._policy.inductor_takes`); their size is never read (a guard).
 
     CPU tests patch this to run the whole stack on the reference kernels.
     """
-    if not x.is_cuda:
+    if not x.is_cuda or composite_only():
         return False
     least = EAGER_MIN_BYTES[kind]
     if not least or _traced(x) or _capturing():

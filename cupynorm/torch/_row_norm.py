@@ -33,8 +33,8 @@ from torch import Tensor
 
 from cupynorm import _program
 
-from . import _checks, _library, _replay
-from ._autograd import _bound_forward, _EagerFunction, _once_differentiable, _SavedOutput
+from . import _checks, _higher_order, _library, _replay
+from ._autograd import _bound_forward, _EagerFunction, _kernel_backward, _SavedOutput
 from ._policy import inductor_takes
 from ._reference import _param_dtype, _row_norm_bwd_reference, _row_norm_fwd_reference, _stat_dtype
 from ._replay import Token, unwrap
@@ -219,8 +219,11 @@ def _make_row_norm_backward(bwd):
     return backward
 
 
+_row_norm_backward_composite = _make_row_norm_backward(_higher_order.row_norm_bwd)
 _library.register_autograd(
-    row_norm_fwd_op, _make_row_norm_backward(row_norm_bwd_op), _row_norm_setup
+    row_norm_fwd_op,
+    _kernel_backward(_make_row_norm_backward(row_norm_bwd_op), _row_norm_backward_composite),
+    _row_norm_setup,
 )
 
 
@@ -235,7 +238,9 @@ class _RowNormFunction(_EagerFunction):
         _row_norm_setup(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_once_differentiable(_make_row_norm_backward(_row_norm_bwd)))
+    backward = staticmethod(
+        _kernel_backward(_make_row_norm_backward(_row_norm_bwd), _row_norm_backward_composite)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,6 +292,9 @@ def _row_norm_replay_grads(ctx, dy, dsum=None):
     elif want_x:
         dx = dsum
     return (dx if needs[0] else None), (dx if needs[1] else None), dweight, dbias
+
+
+_row_norm_replay_grads.composite = _higher_order.row_norm_replay_grads  # double backward
 
 
 def _replay_row_norm(x, residual, weight, bias, dims, eps, rms, cast, origin, grad,

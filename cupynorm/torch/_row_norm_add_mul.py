@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks, _library
-from ._autograd import _EagerFunction, _once_differentiable
+from . import _checks, _higher_order, _library
+from ._autograd import _EagerFunction, _kernel_backward
 from ._policy import inductor_takes
 from ._reference import (
     _row_norm_add_mul_bwd_reference,
@@ -112,9 +112,15 @@ def _make_row_norm_add_mul_backward(bwd):
     return backward
 
 
+_row_norm_add_mul_backward_composite = _make_row_norm_add_mul_backward(
+    _higher_order.row_norm_add_mul_bwd
+)
 _library.register_autograd(
     row_norm_add_mul_fwd_op,
-    _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
+    _kernel_backward(
+        _make_row_norm_add_mul_backward(row_norm_add_mul_bwd_op),
+        _row_norm_add_mul_backward_composite,
+    ),
     _row_norm_add_mul_setup,
 )
 
@@ -130,7 +136,10 @@ class _RowNormAddMulFunction(_EagerFunction):
         return output
 
     backward = staticmethod(
-        _once_differentiable(_make_row_norm_add_mul_backward(_row_norm_add_mul_bwd))
+        _kernel_backward(
+            _make_row_norm_add_mul_backward(_row_norm_add_mul_bwd),
+            _row_norm_add_mul_backward_composite,
+        )
     )
 
 

@@ -59,9 +59,11 @@ LlamaRMSNorm formula); CUDA tensors run on cupynorm's kernels after :mod:`._chec
 arguments raise torch's own error for them), any other device through
 :mod:`torch.nn.functional`, so a converted model still runs on the CPU.
 
-Not supported: double backward (the backward is a kernel without a derivative) and functorch
-transforms (``torch.func.grad``/``vmap``: ops registered through ``torch.library`` with
-``register_autograd`` refuse them, and so does the eager Function).
+**Higher-order autograd** (:mod:`._higher_order`): double backward (``create_graph=True``)
+works through every Function, its gradients then computed by differentiable torch operations
+instead of the backward kernel; under ``torch.func`` transforms (``vmap``, ``grad``, ``jvp``,
+...) and forward-mode AD the calls take :mod:`torch.nn.functional`'s path, with torch's
+semantics and errors.
 """
 
 from __future__ import annotations

@@ -62,7 +62,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from . import _checks
 from ._reference import _channel_shape, _layout, _stat_dtype
@@ -215,30 +214,54 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
-        x, weight, mean, rstd, count = ctx.saved_tensors
-        need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
-        if dy is None:
-            dy = torch.zeros_like(x)
+        if not torch.is_grad_enabled():
+            return _sync_batch_norm_backward(ctx, dy)
+        # create_graph=True: torch's layer computes these gradients with ops that have no
+        # derivative; so here, whose second backward raises torch's error for them
+        with torch.no_grad():
+            grads = _sync_batch_norm_backward(ctx, dy)
+        if not any(t is not None and t.requires_grad for t in (dy, *ctx.saved_tensors)):
+            return grads
+        dx, dweight, dbias = grads[:3]
+        dx = _not_differentiable(dx, "aten::batch_norm_backward_elemt")
+        dweight = _not_differentiable(dweight, "aten::batch_norm_backward_reduce")
+        dbias = _not_differentiable(dbias, "aten::batch_norm_backward_reduce")
+        return dx, dweight, dbias, *grads[3:]
+
+
+def _not_differentiable(grad: Tensor | None, op: str) -> Tensor | None:
+    """``grad`` behind a node whose backward raises torch's error for ``op``'s derivative."""
+    if grad is None:
+        return None
+    grad = grad.detach().requires_grad_()
+    return torch._C._functions.DelayedError(f"derivative for {op} is not implemented", 1)(grad)
+
+
+def _sync_batch_norm_backward(ctx, dy):
+    """The synchronised backward (one collective when the input needs a gradient)."""
+    x, weight, mean, rstd, count = ctx.saved_tensors
+    need_dx, need_dweight, need_dbias = ctx.needs_input_grad[:3]
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if x.numel():
+        sum_dy, sum_dy_xhat = _local_bwd_sums(dy, x, mean, rstd)
+    else:  # still takes part in the collective below
+        sum_dy = sum_dy_xhat = mean.new_zeros(mean.shape)
+    dx = dweight = dbias = None
+    if need_dx:
+        totals = torch.stack((sum_dy, sum_dy_xhat))
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
         if x.numel():
-            sum_dy, sum_dy_xhat = _local_bwd_sums(dy, x, mean, rstd)
-        else:  # still takes part in the collective below
-            sum_dy = sum_dy_xhat = mean.new_zeros(mean.shape)
-        dx = dweight = dbias = None
-        if need_dx:
-            totals = torch.stack((sum_dy, sum_dy_xhat))
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=ctx.group)
-            if x.numel():
-                dx = _input_gradient(dy, x, mean, rstd, weight, totals, count)
-            else:
-                dx = torch.zeros_like(x)
-        grad_dtype = rstd.dtype if weight is None else weight.dtype
-        if need_dweight:
-            dweight = sum_dy_xhat.to(grad_dtype)
-        if need_dbias:
-            dbias = sum_dy.to(grad_dtype)
-        return dx, dweight, dbias, None, None, None, None, None, None
+            dx = _input_gradient(dy, x, mean, rstd, weight, totals, count)
+        else:
+            dx = torch.zeros_like(x)
+    grad_dtype = rstd.dtype if weight is None else weight.dtype
+    if need_dweight:
+        dweight = sum_dy_xhat.to(grad_dtype)
+    if need_dbias:
+        dbias = sum_dy.to(grad_dtype)
+    return dx, dweight, dbias, None, None, None, None, None, None
 
 
 @torch.compiler.disable
