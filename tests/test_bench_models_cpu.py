@@ -32,6 +32,8 @@ MODEL_NAMES = [
     "unet_blocks_autocast_fp16",
     "unet_blocks_autocast_fp16_cl",
     "llama_8l_h2048_s2048_b4_bf16",
+    "qwen2_8l_h2048_s2048_b4_bf16",
+    "gemma_8l_h2048_s2048_b4_bf16",
     "sd15_unet_b8_autocast_fp16",
     "sd_vae_decode_b4_fp16",
 ]
@@ -72,6 +74,8 @@ def test_model_workloads() -> None:
     assert vit.autocast == "bfloat16" and not vit.channels_last and vit.model == "vit_base"
     converts = {
         "llama": "llama_rms_norm",
+        "qwen2": "llama_rms_norm",
+        "gemma": "hf_norms",
         "convnext_tiny": "layer_norms",
         "vit_base": "layer_norms",
         "sd15_unet": "fuse_layer_norms",

@@ -22,7 +22,7 @@ from cupynorm.bench import train, trainstep
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
 # is elementwise torch ops, no norm kernel to count on the CPU; so have the diffusers rows, on
 # tiny configs of diffusers' classes: tests/test_diffusers_cpu.py)
-OWN_DRY_RUNS = ("llama", "sd15_unet", "sd_vae_decoder")
+OWN_DRY_RUNS = ("llama", "qwen2", "gemma", "sd15_unet", "sd_vae_decoder")
 DRY_RUN_NAMES = [
     name for name in MODEL_NAMES if bench.MODEL_WORKLOADS_BY_NAME[name].model not in OWN_DRY_RUNS
 ]
@@ -498,8 +498,14 @@ def test_a_failing_eager_cell_leaves_the_other(
     assert set(log) == {"torch"}
 
 
-def test_llama_row_dry_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
-    """The Llama row alone (`--only`), on a tiny config on the CPU: transformers' model builds
+@pytest.mark.parametrize(
+    ("family", "norm_class"),
+    [("llama", "LlamaRMSNorm"), ("qwen2", "LlamaRMSNorm"), ("gemma", "GemmaRMSNorm")],
+)
+def test_decoder_row_dry_run(
+    family: str, norm_class: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
+    """A decoder row alone (`--only`), on a tiny config on the CPU: transformers' model builds
     from the workload, replace_norms converts its 2 * layers + 1 RMSNorm layers (and nothing is
     left alone with a warning), every mode runs, the accuracy check passes."""
     pytest.importorskip("torch")
@@ -507,7 +513,7 @@ def test_llama_row_dry_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caps
     monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
     monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
     monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
-    name = "llama_8l_h2048_s2048_b4_bf16"
+    name = f"{family}_8l_h2048_s2048_b4_bf16"
     tiny = dataclasses.replace(
         bench.MODEL_WORKLOADS_BY_NAME[name],
         input_shape=(2, 8, 256),
@@ -529,7 +535,7 @@ def test_llama_row_dry_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caps
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         converted = trainstep.convert_model(model, tiny)
-    assert sum(isinstance(m, cnt.LlamaRMSNorm) for m in converted.modules()) == 5
+    assert sum(isinstance(m, getattr(cnt, norm_class)) for m in converted.modules()) == 5
     assert bench.models.count_norm_layers(bench.models.strip_norms(converted)) == 0
     json_path = tmp_path / "llama.json"
     exit_code = main(["bench", "--reps", "2", "--only", name, "--json", str(json_path)])

@@ -91,7 +91,8 @@ class ModelWorkload:
     goal_modes: tuple[str, ...] = ()
     # How cupynorm's model is made: "fuse" (`cupynorm.torch.fuse`), "llama_rms_norm"
     # (`replace_norms(include=[cupynorm.torch.LlamaRMSNorm])`: transformers' RMSNorm layers;
-    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md), "layer_norms"
+    # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md), "hf_norms"
+    # (`replace_norms(include=cupynorm.torch.HF_NORMS)`: every transformers formula), "layer_norms"
     # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in)
     # or "fuse_layer_norms" (fuse, then the LayerNorms too: a UNet's transformer blocks).
     convert: str = "fuse"

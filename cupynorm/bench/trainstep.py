@@ -190,11 +190,14 @@ def make_batch(
 def convert_model(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.Module:
     """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
     the norms converted and a BatchNorm2d's following activation and residual add folded into
-    it, or transformers' RMSNorm layers or the LayerNorm layers converted, or both fuse and the
+    it, or transformers' RMSNorm layers (Llama's formula, or every formula of
+    `cupynorm.torch.HF_NORMS`) or the LayerNorm layers converted, or both fuse and the
     LayerNorms (imported here: it needs torch and registers ops)."""
     cnt = importlib.import_module("cupynorm.torch")
     if workload.convert == "llama_rms_norm":
         return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
+    if workload.convert == "hf_norms":
+        return cnt.replace_norms(model, include=cnt.HF_NORMS)
     layer_norm = importlib.import_module("torch").nn.LayerNorm
     if workload.convert == "layer_norms":
         return cnt.replace_norms(model, include=[layer_norm])

@@ -387,6 +387,15 @@ _LLAMA_TITLE = (
     "32000, fed embeddings) training step, bf16, SGD"
 )
 
+_QWEN2_TITLE = (
+    "transformers Qwen2ForCausalLM (random init, the Llama row's shape: 8 layers, hidden 2048, 17 "
+    "Qwen2RMSNorm of Llama's formula, vocab 32000, fed embeddings) training step, bf16, SGD"
+)
+_GEMMA_TITLE = (
+    "transformers GemmaForCausalLM (random init, the Llama row's shape, head size 128: 17 "
+    "GemmaRMSNorm, (1 + weight) in float32, vocab 32000, fed embeddings) training step, bf16, SGD"
+)
+
 _SD15_UNET_TITLE = (
     "diffusers UNet2DConditionModel in Stable Diffusion 1.5's layout (random init; 61 GroupNorm, "
     "44 fused with SiLU, 22 of them with the time embedding, 48 LayerNorm) noise-prediction "
@@ -530,6 +539,25 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         accuracy_batch=1,
         convert="llama_rms_norm",
         layers=8,
+    ),
+    *(
+        ModelWorkload(
+            name=f"{family}_8l_h2048_s2048_b4_bf16",
+            title=title,
+            model=family,
+            input_shape=(4, 2048, 2048),
+            dtype="bfloat16",
+            loss="token_cross_entropy",
+            num_classes=32000,
+            lr=1e-3,
+            accuracy_batch=1,  # as the Llama row
+            convert=convert,
+            layers=8,
+        )
+        for family, title, convert in (
+            ("qwen2", _QWEN2_TITLE, "llama_rms_norm"),
+            ("gemma", _GEMMA_TITLE, "hf_norms"),
+        )
     ),
     ModelWorkload(
         name="sd15_unet_b8_autocast_fp16",
