@@ -36,7 +36,10 @@ KINDS = {
     "group_norm": "group_norm, group_norm_act (GroupNorm, GroupNormAct)",
     "instance_norm": "instance_norm (InstanceNorm*d)",
     "layer_norm": "layer_norm, add_layer_norm (LayerNorm)",
-    "rms_norm": "rms_norm, add_rms_norm, llama_rms_norm (RMSNorm, LlamaRMSNorm)",
+    "rms_norm": (
+        "rms_norm, add_rms_norm, llama_rms_norm (RMSNorm, LlamaRMSNorm and transformers' other "
+        "formulas: GemmaRMSNorm, T5LayerNorm, Olmo2RMSNorm, CohereLayerNorm, OlmoLayerNorm)"
+    ),
     "channel_norm": "layer_norm2d, rms_norm2d (LayerNorm2d, RMSNorm2d)",
     "row_norm_add_mul": "row_norm_add_mul (RowNormAddMul)",
 }
@@ -126,7 +129,7 @@ EAGER_DEFAULT: Mapping[str, int] = {
     "instance_norm": 0,
     "layer_norm": 1 << 27,  # layer_norm, add_layer_norm
     "rms_norm": 1 << 27,  # rms_norm, add_rms_norm
-    "llama_rms_norm": 0,  # Hugging Face's formula is six torch ops, each a kernel
+    "llama_rms_norm": 0,  # transformers' formulas (cupynorm.torch.HF_NORMS): several torch ops each
     "channel_norm": 0,  # layer_norm2d, rms_norm2d: torch has no single op for them
     "row_norm_add_mul": 0,
 }
