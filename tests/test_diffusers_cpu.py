@@ -14,15 +14,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from test_bench_cpu import CpuStandIn
-from test_bench_models_dry_run_cpu import _models_table
-from torch import nn
 
-import cupynorm.torch as cnt
-from cupynorm import bench
-from cupynorm.__main__ import main
-from cupynorm.bench import diffusers_models, train, trainstep
+torch = pytest.importorskip("torch")
+
+from test_bench_cpu import CpuStandIn  # noqa: E402
+from test_bench_models_dry_run_cpu import _models_table  # noqa: E402
+from torch import nn  # noqa: E402
+
+import cupynorm.torch as cnt  # noqa: E402
+from cupynorm import bench  # noqa: E402
+from cupynorm.__main__ import main  # noqa: E402
+from cupynorm.bench import diffusers_models, train, trainstep  # noqa: E402
 
 UNET_ROW, VAE_ROW = "sd15_unet_b8_autocast_fp16", "sd_vae_decode_b4_fp16"
 
