@@ -134,6 +134,7 @@ class _FakeRuntime:
 
     def __init__(self, device: int = 0) -> None:
         self.device, self.pending, self.records, self.created = device, False, [], 0
+        self.destroyed: list[int] = []
 
     def getDevice(self) -> int:
         return self.device
@@ -147,6 +148,9 @@ class _FakeRuntime:
 
     def eventQuery(self, event: int) -> int:
         return _policy._NOT_READY if self.pending else 0
+
+    def eventDestroy(self, event: int) -> None:
+        self.destroyed.append(event)
 
 
 @pytest.fixture
@@ -208,3 +212,15 @@ def test_a_not_ready_error_reads_as_behind(fake_runtime) -> None:
     runtime.eventQuery = raising
     runtime.clock[0] += 1e-3
     assert _policy.gpu_behind(0) is True
+
+
+def test_the_probes_start_over_past_their_number(fake_runtime, monkeypatch) -> None:
+    """One event per (device, stream): a program making streams by the hundred does not keep
+    an event for each."""
+    streams = iter(range(1000))
+    monkeypatch.setattr(_policy, "_raw_stream", lambda device: next(streams))
+    for _ in range(_policy._MAX_PROBES):
+        _policy.gpu_behind(0)
+    assert len(_policy._probes) == _policy._MAX_PROBES and not fake_runtime.destroyed
+    _policy.gpu_behind(0)
+    assert len(fake_runtime.destroyed) == _policy._MAX_PROBES and len(_policy._probes) == 1

@@ -218,6 +218,7 @@ EAGER_ADAPTIVE = [os.environ.get(ADAPTIVE_ENVIRONMENT, "1").strip() != "0"]
 _NOT_READY = 600  # cudaErrorNotReady
 _ONE_CALL_S = 20e-6  # probes closer than this belong to one call (a route asks twice)
 _probes: dict[tuple[int, int], list] = {}  # (device, stream) -> [event, time, answer]
+_MAX_PROBES = 64
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -233,6 +234,10 @@ def gpu_behind(device: int) -> bool:
     now = time.perf_counter()
     probe = _probes.get((device, stream))
     if probe is None:
+        if len(_probes) >= _MAX_PROBES:  # streams made and dropped by the hundred: start over
+            for event, *_ in _probes.values():
+                runtime.eventDestroy(event)
+            _probes.clear()
         probe = _probes[device, stream] = [runtime.eventCreateWithFlags(2), 0.0, True]
     elif now - probe[1] < _ONE_CALL_S:
         return probe[2]
