@@ -229,7 +229,7 @@ class _WeightedNorm(torch.nn.Module):
     _init = 1.0
     _eps_name = "variance_epsilon"
 
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
         super().__init__()
         weight = torch.full((hidden_size,), self._init, device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(weight)
@@ -274,9 +274,6 @@ class T5LayerNorm(_WeightedNorm):
         device, dtype: of ``weight`` (init 1).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
-        super().__init__(hidden_size, eps, device, dtype)
-
     def forward(self, hidden_states: Tensor) -> Tensor:
         return t5_layer_norm(hidden_states, self.weight, self.variance_epsilon)
 
@@ -290,9 +287,6 @@ class Olmo2RMSNorm(_WeightedNorm):
         eps: added to the mean square (``variance_epsilon``). Default: 1e-6
         device, dtype: of ``weight`` (init 1).
     """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
-        super().__init__(hidden_size, eps, device, dtype)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         return olmo2_rms_norm(hidden_states, self.weight, self.variance_epsilon)
