@@ -231,22 +231,24 @@ def test_second_derivatives_are_torchs(on_kernels, name):
     torch.testing.assert_close(results[0], results[1], **tol)
 
 
+def _count_calls(monkeypatch, calls: dict, key: str, module, name: str) -> None:
+    """Count ``module.name``'s calls in ``calls[key]`` (the function still runs)."""
+    original = getattr(module, name)
+
+    def wrapper(*args):
+        calls[key] += 1
+        return original(*args)
+
+    monkeypatch.setattr(module, name, wrapper)
+
+
 def test_first_order_backward_takes_the_kernels(on_kernels, monkeypatch):
     """A first-order backward runs the backward kernel (here its CPU stand-in) and nothing of
     the composite; create_graph=True the composite and no kernel."""
     calls = {"kernel": 0, "composite": 0}
 
-    def counting(module, name, key):
-        original = getattr(module, name)
-
-        def wrapper(*args):
-            calls[key] += 1
-            return original(*args)
-
-        monkeypatch.setattr(module, name, wrapper)
-
-    counting(_row_norm, "_row_norm_bwd_reference", "kernel")
-    counting(_higher_order, "_row_norm_bwd_reference", "composite")
+    _count_calls(monkeypatch, calls, "kernel", _row_norm, "_row_norm_bwd_reference")
+    _count_calls(monkeypatch, calls, "composite", _higher_order, "_row_norm_bwd_reference")
     x, w, b = _random(3, 4, 5), _random(5), _random(5)
     y = cnt.layer_norm(x, (5,), w, b)
     assert type(y.grad_fn).__name__ == "_RowNormFunctionBackward"

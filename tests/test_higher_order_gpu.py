@@ -17,6 +17,7 @@ if cuda_available():
     import torch.nn.functional as F
     from test_higher_order_cpu import (
         FLOAT32_INSIDE,
+        _count_calls,
         _Critic,
         _GroupNormNet,
         _same_as_torch,
@@ -82,17 +83,8 @@ def test_second_derivatives_are_torchs_first_call_and_replay(name):
 def test_first_order_backward_takes_the_kernels(monkeypatch):
     calls = {"kernel": 0, "composite": 0}
 
-    def counting(module, name, key):
-        original = getattr(module, name)
-
-        def wrapper(*args):
-            calls[key] += 1
-            return original(*args)
-
-        monkeypatch.setattr(module, name, wrapper)
-
-    counting(_row_norm, "_row_norm_bwd_cuda", "kernel")
-    counting(_higher_order, "_row_norm_bwd_reference", "composite")
+    _count_calls(monkeypatch, calls, "kernel", _row_norm, "_row_norm_bwd_cuda")
+    _count_calls(monkeypatch, calls, "composite", _higher_order, "_row_norm_bwd_reference")
     monkeypatch.setattr(_row_norm, "_replay_candidate", lambda tensors: False)  # the Function
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
     w, b = torch.randn(256, device="cuda", requires_grad=True), torch.randn(256, device="cuda")
