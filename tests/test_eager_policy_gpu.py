@@ -74,6 +74,15 @@ CASES = {
         (4, 16, 9, 7),
         False,
     ),
+    "group_norm_act": (
+        lambda: (
+            torch.nn.Sequential(torch.nn.GroupNorm(4, 16), torch.nn.SiLU()),
+            cnt.GroupNormAct(4, 16),
+            "group_norm",
+        ),
+        (4, 16, 9, 7),
+        False,
+    ),
     "layer_norm": (
         lambda: (torch.nn.LayerNorm(40), cnt.LayerNorm(40), "layer_norm"),
         (6, 5, 40),

@@ -590,7 +590,10 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
-    if _use_kernels(input, "group_norm_act") and not inductor_takes("group_norm"):
+    on_kernels = _use_kernels(input, "group_norm_act") or (
+        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
+    )  # channels_last: as group_norm
+    if on_kernels and not inductor_takes("group_norm"):
         return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)
