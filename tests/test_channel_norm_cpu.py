@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm over the channels of (N, C, *) on the CPU: the modules against torch.nn's
 LayerNorm / RMSNorm (signature, state_dict, repr), the kernel route (eager Function and custom
 op, on the reference kernels) against timm's permute + layer_norm and its gradients, errors as
-torch words them, fake kernels, opcheck, replace_norms on timm's and torchvision's classes.
+torch words them, fake kernels, opcheck, replace_norms on timm's and torchvision's classes, and
+the plan of the NCHW thin-tile forward (its kernels run in tests/test_channel_norm_gpu.py).
 """
 
 from __future__ import annotations

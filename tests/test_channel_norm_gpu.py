@@ -2,7 +2,9 @@
 LayerNorm2d / RMSNorm2d modules): forward and backward against torch (the permute + layer_norm of
 timm's LayerNorm2d) and a float64 reference on fresh random data (the allocator poisoned with NaN
 first), both layouts, every dtype, odd / unaligned / many-channel shapes, offset data, float32
-weights beside half input, CuPy inputs, reproducible gradients, torch.compile and CUDA graphs.
+weights beside half input, CuPy inputs, reproducible gradients, torch.compile and CUDA graphs;
+each NCHW forward kernel (thin tiles: 4 / 8 packs, one tile per CTA or persistent, single
+elements; register tiles) on its own.
 """
 
 from __future__ import annotations
