@@ -20,6 +20,9 @@
 // order (bitwise reproducible); LayerNorm's statistics are passes over the registers (mean, its
 // correction, then the squared deviations): one read and one write of x, nothing re-read.
 //
+// The thin-tile forward (channel_fwd_thin, below the register tiles' forward) takes C up to 256
+// with a few packs per thread and many small CTAs per SM: see its section.
+//
 // The backward's dx kernel walks tiles grid-stride with a grid of resident CTAs; each thread keeps
 // its channels' dweight / dbias sums in registers, the CTA folds them over tx into one fp32
 // partial row per CTA, and row_norm_bwd_params (row_norm.cu) adds the rows in order:
@@ -163,12 +166,13 @@ extern "C" __global__ void channel_norm_fwd_rms(
         channel_fwd<1, true>(x, y, weight, bias, mean, rstd, C, S, tiles, eps);
 }
 
-// ---- thin tiles: a few channels per thread, the next tile in flight ---------------------------
+// ---- thin tiles: a few channels per thread, many CTAs per SM ----------------------------------
 // The forward above holds up to 16 packs per thread (96 registers for fp32 RMS: ~2 CTAs of 256
 // threads per SM, each one load-reduce-store phase with nothing overlapping; KernelBench L1-36 at
 // 67% of copy bandwidth). Here a thread holds CPT packs (4: 16 registers of fp32 data), so many
-// small CTAs share an SM, and each CTA walks tiles grid-stride with the next tile's loads issued
-// before the current tile's sums: loads stay in flight through the barrier and the stores.
+// small CTAs share an SM (~10 of 128 threads for fp32 RMS), one tile each; the _persistent
+// kernels instead walk tiles grid-stride with the next tile's loads issued before the current
+// tile's sums, so loads stay in flight through the barrier and the stores.
 //
 // Mapping: a CTA of (PX, CY) threads, PX a power of two <= 32, so a warp holds R = 32 / PX rows
 // of ty (CY a multiple of R); thread (tx, ty) holds channels c = ty + k * CY (k < CPT) of pack
