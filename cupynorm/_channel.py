@@ -1,11 +1,15 @@
 """The channels family (``cuda_src/channel_norm.cu``): LayerNorm / RMSNorm over the C channels of
 each pixel of NCHW data, per (sample, pixel).
 
-A CTA of (PX, CY) threads owns PX packs of adjacent pixels of one sample; thread (tx, ty) keeps
-the packs of channels ty, ty + CY, ... in registers (at most ``cpt`` of them). The plan picks
-CY = ceil(C / cpt) and as many pixel packs per CTA as keep it near ``TILE_THREADS`` threads and
-within what the kernel's registers allow; a C too large for that has no plan (the caller takes
-another route). channels_last data is the row norm on the (N * S, C) view, not this family.
+Two forwards. Thin tiles (C up to ``THIN_MAX_C``): a thread holds 4 packs of 16 bytes (16 single
+elements when unaligned), a CTA of at most 256 threads sums a column by warp shuffles and one
+pass through shared memory, and many small CTAs share an SM (48 registers for the fp32 RMS tile,
+~10 CTAs of 128 threads per SM). Register tiles (more channels, and the backward): a CTA of (PX,
+CY) threads owns PX packs of adjacent pixels of one sample; thread (tx, ty) keeps the packs of
+channels ty, ty + CY, ... in registers (at most ``cpt`` of them); the plan picks CY = ceil(C /
+cpt) and as many pixel packs per CTA as keep it near ``TILE_THREADS`` threads and within what the
+kernel's registers allow; a C too large for that has no plan (the caller takes another route).
+channels_last data is the row norm on the (N * S, C) view, not this family.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _compile, _plan
+from . import _compile, _plan, _program
 from ._launch import _Call, _scalar, _weight_grads
 
 _CHANNEL = "channel_norm.cu"
@@ -31,6 +35,28 @@ MAX_PX = 64
 MIN_PX = 4
 #: resident CTAs per SM the backward's grid-stride kernel is launched with, at most
 BWD_CTAS_PER_SM = 4
+
+#: Thin-tile forward (channel_fwd_thin) for C up to this. Expected to win there, not measured
+#: yet: the register tiles ran KernelBench L1-36 (C = 64, fp32) at 67% of copy bandwidth with 96
+#: registers and ~2 CTAs per SM; the thin RMS tile takes 48 registers and ~10 CTAs of 128 threads,
+#: as torch.compile's kernel (90%) keeps few values per thread. 256: a CTA of 256 threads of 8
+#: packs. More channels keep the register tiles (their column sums read fewer partials).
+THIN_MAX_C = 256
+#: the thin kernels' __launch_bounds__ (threads per CTA, at most)
+THIN_MAX_THREADS = 256
+#: packs per thread: 4 of 16 bytes up to this many channels (32 thread rows of 8 packs: 256
+#: threads), 8 above; unaligned data: 16 single elements (the _thin_scalar kernels)
+THIN_CPT4_MAX_C = 128
+#: contiguous bytes of one channel row a warp reads per access: a full 128-byte line
+THIN_ROW_BYTES = 128
+#: narrowest thin tile in packs (a warp of 8 channel rows of 4 packs)
+THIN_MIN_PX = 4
+#: the grid-stride kernels (resident CTAs, the next tile's packs loaded before the current one's
+#: sums) instead of one CTA per tile; measured neither way yet (scratch/bench_chan.py times both)
+THIN_PERSISTENT = False
+#: None: thin tiles for C <= THIN_MAX_C; True: wherever they have a plan; False: never
+#: (set by :func:`enable_thin`: the GPU tests and the bench run both forwards)
+thin: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,8 @@ def fwd_kernel(rms: bool) -> str:
 
 def forward(call: _Call, x, y, weight, bias, mean, rstd, C: int, S: int, eps: float, rms: bool):
     """One launch: y, and mean / rstd (N, S) when given, of x (N, C, S) contiguous."""
+    if uses_thin(C) and forward_thin(call, x, y, weight, bias, mean, rstd, C, S, eps, rms):
+        return
     N = x.shape[0]
     kernel = fwd_kernel(rms)
     aligned = call.aligned(x, y)
@@ -88,6 +116,125 @@ def forward(call: _Call, x, y, weight, bias, mean, rstd, C: int, S: int, eps: fl
         call.ptr(rstd), np.int32(C), np.int64(S), np.int64(plan.tiles), _scalar(call.acc, eps),
         np.int32(plan.vectorized)), plan.smem)
     # fmt: on
+
+
+def uses_thin(C: int) -> bool:
+    """Whether the forward of C channels tries the thin tiles first (see ``thin``)."""
+    return thin is True or (thin is None and C <= THIN_MAX_C)
+
+
+def enable_thin(on: bool | None) -> None:
+    """Thin tiles wherever they have a plan (True), never (False), or for C <= THIN_MAX_C (None).
+    Recorded calls are forgotten, since a replay repeats the path its recording took."""
+    global thin
+    thin = on
+    _program._PROGRAMS.clear()
+
+
+@dataclass(frozen=True)
+class ThinPlan:
+    kernel: str
+    px: int  # pixel packs per tile (blockDim.x): a power of two <= 32
+    cy: int  # thread rows over the channels (blockDim.y): a multiple of 32 // px
+    tiles: int  # tiles per sample
+    smem: int  # dynamic shared memory, bytes (0: one warp, shuffles only)
+
+
+def thin_kernel(C: int, rms: bool, vectorized: bool, persistent: bool, cpt: int | None = None):
+    """(kernel name, packs per thread) of the thin forward; ``cpt`` 4 or 8 (vectorized only)."""
+    op = "rms" if rms else "layer"
+    if not vectorized:
+        return f"channel_norm_fwd_{op}_thin_scalar", 16
+    cpt = cpt or (4 if C <= THIN_CPT4_MAX_C else 8)
+    return f"channel_norm_fwd_{op}_thin{cpt}" + ("_persistent" if persistent else ""), cpt
+
+
+def plan_thin(
+    N: int,
+    C: int,
+    S: int,
+    itemsize: int,
+    vectorized: bool,
+    rms: bool,
+    kernel: str,
+    cpt: int,
+    max_threads: int,
+    px: int | None = None,
+) -> ThinPlan | None:
+    """The thin tile for N samples of C channels of S pixels, or None when C needs more than
+    ``max_threads`` threads or the tiles overflow the kernel's 32-bit tile index. ``px``: the
+    tile's width in packs (a power of two <= 32), by default a 128-byte row per warp access,
+    widened when there are few channel rows, narrowed when there are few pixels."""
+    unit = _plan.vec_width(itemsize) if vectorized else 1
+    packs = S // unit
+    rows = -(-C // cpt)
+    if px is None:
+        px = max(THIN_MIN_PX, min(32, THIN_ROW_BYTES // (unit * itemsize)))
+        while px < 32 and rows < 32 // px:  # few channel rows: more lanes along the pixels
+            px *= 2
+        while px > THIN_MIN_PX and px // 2 >= packs:  # few pixels: a narrower tile
+            px //= 2
+    cy = _plan.round_up(rows, 32 // px)
+    while px * cy > max_threads and px > THIN_MIN_PX:
+        px //= 2
+        cy = _plan.round_up(rows, 32 // px)
+    tiles = -(-packs // px)
+    if px * cy > max_threads or N * tiles >= 2**31:
+        return None
+    warps = px * cy // 32
+    acc = 8 if itemsize == 8 else 4
+    slots = unit if rms else 2 * unit  # the sums per pixel of the kernel's widest column sum
+    smem = 0 if warps == 1 else 2 * warps * px * slots * acc
+    return ThinPlan(kernel, px, cy, tiles, smem)
+
+
+def forward_thin(
+    call: _Call,
+    x,
+    y,
+    weight,
+    bias,
+    mean,
+    rstd,
+    C: int,
+    S: int,
+    eps: float,
+    rms: bool,
+    *,
+    cpt: int | None = None,
+    persistent: bool | None = None,
+    px: int | None = None,
+) -> ThinPlan | None:
+    """The thin forward's launch (as :func:`forward`), or None (nothing launched) when it has no
+    plan. ``cpt``, ``persistent``, ``px``: the plan's choices, for measurements."""
+    N = x.shape[0]
+    vectorized = call.vec > 1 and S % call.vec == 0 and call.aligned(x, y)
+    persistent = THIN_PERSISTENT if persistent is None else persistent
+    kernel, cpt = thin_kernel(C, rms, vectorized, persistent, cpt)
+    most = min(THIN_MAX_THREADS, max_threads(call, kernel))
+    plan = plan_thin(N, C, S, call.itemsize, vectorized, rms, kernel, cpt, most, px)
+    if plan is None:
+        return None
+    total = N * plan.tiles
+    grid = total
+    if kernel.endswith("_persistent"):
+        resident = _compile.resident_ctas(
+            call.device,
+            _CHANNEL,
+            kernel,
+            call.dtype,
+            call.param_dtype,
+            plan.px * plan.cy,
+            plan.smem,
+        )
+        grid = max(1, min(total, resident * call.info.sm_count))
+    # fmt: off
+    call.launch(_CHANNEL, kernel, grid, (plan.px, plan.cy), (
+        call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(mean),
+        call.ptr(rstd), np.int32(C), np.int64(S), np.int32(plan.tiles), np.int32(total),
+        _scalar(call.acc, eps)), plan.smem)
+    # fmt: on
+    return plan
 
 
 def backward(call: _Call, dy, x, mean, rstd, weight, dx, dweight, dbias, C: int, S: int):

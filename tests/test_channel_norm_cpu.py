@@ -1,7 +1,8 @@
 """LayerNorm / RMSNorm over the channels of (N, C, *) on the CPU: the modules against torch.nn's
 LayerNorm / RMSNorm (signature, state_dict, repr), the kernel route (eager Function and custom
 op, on the reference kernels) against timm's permute + layer_norm and its gradients, errors as
-torch words them, fake kernels, opcheck, replace_norms on timm's and torchvision's classes.
+torch words them, fake kernels, opcheck, replace_norms on timm's and torchvision's classes, and
+the plan of the NCHW thin-tile forward (its kernels run in tests/test_channel_norm_gpu.py).
 """
 
 from __future__ import annotations
@@ -217,3 +218,88 @@ def test_timm_rms_norm2d_with_llama_included_is_still_a_channel_norm():
         warnings.simplefilter("error")
         cnt.replace_norms(model, include=(nn.RMSNorm, cnt.LlamaRMSNorm))
     assert isinstance(model[0], cnt.RMSNorm2d)
+
+
+# ---- the thin-tile forward's plan (cuda_src/channel_norm.cu, channel_fwd_thin) ----------------
+def _thin_plan(N, C, S, itemsize, vectorized, rms, persistent=False, cpt=None, max_threads=256):
+    from cupynorm import _channel
+
+    kernel, cpt = _channel.thin_kernel(C, rms, vectorized, persistent, cpt)
+    return _channel.plan_thin(N, C, S, itemsize, vectorized, rms, kernel, cpt, max_threads), cpt
+
+
+def test_thin_plan_of_kernelbench_36_and_convnext():
+    plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True)
+    # 16 thread rows of 4 packs (64 channels) by 8 packs of 16 bytes: a 128-byte row per access
+    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin4", 4, 8, 16)
+    assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 4 * 4
+    plan, _ = _thin_plan(64, 96, 56 * 56, 2, True, rms=False, persistent=True)
+    assert (plan.kernel, plan.px, plan.cy, plan.tiles) == (
+        "channel_norm_fwd_layer_thin4_persistent",
+        8,
+        24,
+        49,
+    )
+    plan, cpt = _thin_plan(2, 96, 56 * 56, 2, False, rms=False)  # unaligned: single elements
+    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_layer_thin_scalar", 16, 32, 6)
+
+
+@pytest.mark.parametrize(
+    "N, C, S, itemsize, vectorized",
+    [
+        (2, 3, 63, 4, False),
+        (3, 1, 35, 2, False),
+        (2, 64, 1024, 4, True),
+        (2, 96, 196, 8, True),
+        (2, 130, 60, 4, True),
+        (2, 256, 32, 2, True),
+        (2, 200, 9, 8, False),
+        (1, 64, 4, 4, True),
+        (2, 256, 7, 4, False),
+    ],
+)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_thin_plan_gives_every_pack_to_one_thread(N, C, S, itemsize, vectorized, rms):
+    """The kernel's mapping over the plan: tile t, thread (tx, ty) holds pack
+    (t mod tiles) * px + tx of channels ty + k * cy (k < cpt) of sample t // tiles. Whole
+    warps, px a power of two <= 32 with 32 / px rows per warp, at most 256 threads."""
+    plan, cpt = _thin_plan(N, C, S, itemsize, vectorized, rms)
+    px, cy = plan.px, plan.cy
+    assert 32 % px == 0 and cy % (32 // px) == 0 and px * cy <= 256
+    unit = 16 // itemsize if vectorized else 1
+    packs = S // unit
+    owners: dict = {}
+    for t in range(N * plan.tiles):
+        n = t // plan.tiles
+        for ty in range(cy):
+            for tx in range(px):
+                p = (t - n * plan.tiles) * px + tx
+                if p >= packs:
+                    continue
+                for k in range(cpt):
+                    if ty + k * cy < C:
+                        key = (n, ty + k * cy, p)
+                        assert key not in owners
+                        owners[key] = (t, tx, ty)
+    assert len(owners) == N * C * packs
+    warps = px * cy // 32
+    assert plan.smem == (
+        0 if warps == 1 else 2 * warps * px * unit * (1 if rms else 2) * (8 if itemsize == 8 else 4)
+    )
+
+
+def test_thin_plan_refuses_what_does_not_fit_and_routes_by_channels(monkeypatch):
+    from cupynorm import _channel
+
+    assert _thin_plan(2, 600, 64, 4, True, rms=True)[0] is None  # 75 rows of 8 packs
+    narrow, _ = _thin_plan(2, 64, 64, 4, True, rms=True, max_threads=64)  # a kernel's limit
+    assert (narrow.px, narrow.cy) == (4, 16)
+    assert _thin_plan(2**20, 64, 2**20 * 4, 4, True, rms=True)[0] is None  # 2^31 tiles
+    monkeypatch.setattr(_channel, "thin", None)
+    assert _channel.uses_thin(_channel.THIN_MAX_C) and not _channel.uses_thin(
+        _channel.THIN_MAX_C + 1
+    )
+    monkeypatch.setattr(_channel, "thin", False)
+    assert not _channel.uses_thin(64)
+    monkeypatch.setattr(_channel, "thin", True)
+    assert _channel.uses_thin(4096)

@@ -2,7 +2,9 @@
 LayerNorm2d / RMSNorm2d modules): forward and backward against torch (the permute + layer_norm of
 timm's LayerNorm2d) and a float64 reference on fresh random data (the allocator poisoned with NaN
 first), both layouts, every dtype, odd / unaligned / many-channel shapes, offset data, float32
-weights beside half input, CuPy inputs, reproducible gradients, torch.compile and CUDA graphs.
+weights beside half input, CuPy inputs, reproducible gradients, torch.compile and CUDA graphs;
+each NCHW forward kernel (thin tiles: 4 / 8 packs, one tile per CTA or persistent, single
+elements; register tiles) on its own.
 """
 
 from __future__ import annotations
@@ -171,6 +173,111 @@ def test_misaligned_strided_and_3d_inputs():
         close(out, reference(x3, None, None, False, 1e-5), TOL["float32"])
     x1 = rand((6, 32, 50), "float32")  # (N, C, L)
     close(cnt.layer_norm2d(x1), reference(x1, None, None, False, 1e-5), TOL["float32"])
+
+
+# ---- the two NCHW forwards: thin tiles (each kernel variant) and register tiles ----------------
+# (N, C, H, W): what each exercises in the thin kernels
+THIN_SHAPES = {
+    "c3_odd": (2, 3, 7, 9),  # one thread row, 32 lanes on the pixels; S = 63: single elements
+    "c64": (2, 64, 32, 32),
+    "c96_convnext": (2, 96, 14, 14),  # S = 196: packs of 4 fp32 / 2 fp64, single halves
+    "c130": (2, 130, 5, 12),  # more than 128 channels: 8 packs per thread; unused thread rows
+    "c256": (2, 256, 4, 8),  # the most channels the thin tiles take by default
+    "s15": (2, 64, 3, 5),  # S = 15: no packs, a tile wider than the plane
+    # more tiles than resident CTAs: the persistent kernels walk several, the next one prefetched
+    "many_tiles": (4, 64, 192, 192),
+}
+#: variant -> (THIN_CPT4_MAX_C, THIN_PERSISTENT), or None: the register tiles
+FWD_VARIANTS = {
+    "thin4": (4096, False),
+    "thin4_persistent": (4096, True),
+    "thin8": (0, False),
+    "thin8_persistent": (0, True),
+    "register_tiles": None,
+}
+
+
+@pytest.fixture(params=list(FWD_VARIANTS))
+def fwd_variant(request, monkeypatch):
+    """The NCHW forward through one kernel variant (unaligned or odd planes: thin_scalar)."""
+    from cupynorm import _channel
+
+    setting = FWD_VARIANTS[request.param]
+    if setting is not None:
+        monkeypatch.setattr(_channel, "THIN_CPT4_MAX_C", setting[0])
+        monkeypatch.setattr(_channel, "THIN_PERSISTENT", setting[1])
+    _channel.enable_thin(setting is not None)
+    yield request.param
+    _channel.enable_thin(None)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("shape_id", list(THIN_SHAPES))
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_nchw_forward_variants_match_float64(fwd_variant, dtype, shape_id, rms):
+    from cupynorm import _ops
+
+    x = rand(THIN_SHAPES[shape_id], dtype, offset=0.5)
+    w, b = params(x.shape[1], dtype, rms)
+    poison_torch_allocator()
+    y, mean, rstd = _ops.channel_norm_fwd(x, w, b, 1e-5, rms)
+    close(y, reference(x, w, b, rms, 1e-5), TOL[dtype] * 3)
+    xd = x.double()
+    stat_tol = 1e-10 if dtype == "float64" else 1e-5
+    if rms:
+        assert mean is None
+        expected = torch.rsqrt(xd.square().mean(dim=1) + 1e-5)
+    else:
+        var, mu = torch.var_mean(xd, dim=1, correction=0)
+        torch.testing.assert_close(mean.double(), mu, rtol=stat_tol, atol=stat_tol)
+        expected = torch.rsqrt(var + 1e-5)
+    torch.testing.assert_close(rstd.double(), expected, rtol=stat_tol, atol=0)
+    # inference (no statistics) writes the same y
+    (y2,) = _ops.channel_norm_fwd(x, w, b, 1e-5, rms, want_stats=False)[:1]
+    assert torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_nchw_forward_variants_keep_the_digits_of_offset_data(fwd_variant, dtype):
+    """Mean 1e4, std 1 per pixel, for every kernel variant (64 channels; 15 pixels per plane:
+    single elements, 256: packs): no larger than torch's own error on the same data."""
+    for shape in ((2, 64, 16, 16), (2, 64, 3, 5)):
+        x = rand(shape, dtype, offset=1e4)
+        poison_torch_allocator()
+        ref = reference(x, None, None, False, 1e-5)
+        ours = (cnt.layer_norm2d(x).double() - ref).abs().max().item()
+        theirs = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), eps=1e-5).permute(0, 3, 1, 2)
+        slack = 16 * 1e4 * torch.finfo(torch.float64).eps
+        assert ours <= 1.5 * (theirs.double() - ref).abs().max().item() + slack
+
+
+def test_nchw_forward_variants_unaligned_and_half_params(fwd_variant):
+    base = rand((2 * 96 * 64 + 1,), "float32")
+    x = base[1:].view(2, 96, 8, 8)  # contiguous, not 16-byte aligned: single elements
+    w, b = params(96, "float32", False)
+    poison_torch_allocator()
+    close(cnt.layer_norm2d(x, w, b), reference(x, w, b, False, 1e-5), TOL["float32"] * 3)
+    for dtype in ("float16", "bfloat16"):  # float32 weight and bias beside half input
+        xh = rand((3, 96, 8, 16), dtype)
+        w, b = params(96, dtype, False, fp32_params=True)
+        poison_torch_allocator()
+        close(cnt.layer_norm2d(xh, w, b), reference(xh, w, b, False, 1e-5), TOL[dtype] * 3)
+
+
+def test_kernelbench_36_formula_on_both_forwards():
+    """KernelBench L1-36's formula, x / sqrt(mean(x^2, dim=1) + eps), at a reduced batch: the
+    thin forward (the default for 64 channels) and the register tiles agree with torch."""
+    from cupynorm import _channel
+
+    x = rand((4, 64, 128, 128), "float32")
+    expected = x / torch.sqrt(torch.mean(x**2, dim=1, keepdim=True) + 1e-5)
+    try:
+        for on in (None, False):
+            _channel.enable_thin(on)
+            poison_torch_allocator()
+            torch.testing.assert_close(cnt.rms_norm2d(x, eps=1e-5), expected)
+    finally:
+        _channel.enable_thin(None)
 
 
 def test_empty_inputs():
