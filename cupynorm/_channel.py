@@ -39,20 +39,25 @@ BWD_CTAS_PER_SM = 4
 #: Thin-tile forward (channel_fwd_thin) for C up to this. Expected to win there, not measured
 #: yet: the register tiles ran KernelBench L1-36 (C = 64, fp32) at 67% of copy bandwidth with 96
 #: registers and ~2 CTAs per SM; the thin RMS tile takes 48 registers and ~10 CTAs of 128 threads,
-#: as torch.compile's kernel (90%) keeps few values per thread. 256: a CTA of 256 threads of 8
-#: packs. More channels keep the register tiles (their column sums read fewer partials).
+#: as torch.compile's kernel keeps few values per thread. Measured (H200, 2026-11-27): L1-36
+#: 5.37 -> 3.98 ms (66% -> 90% of copy bandwidth; torch.compile 4.23 ms in the same run),
+#: LayerNorm2d(96) bf16 64x96x56x56 0.081 -> 0.036 ms (compile 0.071). 256: a CTA of 256
+#: threads of 8 packs. More channels keep the register tiles (their column sums read fewer
+#: partials).
 THIN_MAX_C = 256
 #: the thin kernels' __launch_bounds__ (threads per CTA, at most)
 THIN_MAX_THREADS = 256
-#: packs per thread: 4 of 16 bytes up to this many channels (32 thread rows of 8 packs: 256
-#: threads), 8 above; unaligned data: 16 single elements (the _thin_scalar kernels)
-THIN_CPT4_MAX_C = 128
+#: packs per thread: 4 of 16 bytes up to this many channels, 8 above; unaligned data: 16 single
+#: elements (the _thin_scalar kernels). 0: 8 everywhere. Measured (H200, 2026-11-27): equal on
+#: L1-36 (3.980 / 3.979 ms), 8 packs 1.6x faster on LayerNorm2d(96) bf16 (0.058 / 0.036 ms)
+THIN_CPT4_MAX_C = 0
 #: contiguous bytes of one channel row a warp reads per access: a full 128-byte line
 THIN_ROW_BYTES = 128
 #: narrowest thin tile in packs (a warp of 8 channel rows of 4 packs)
 THIN_MIN_PX = 4
 #: the grid-stride kernels (resident CTAs, the next tile's packs loaded before the current one's
-#: sums) instead of one CTA per tile; measured neither way yet (scratch/bench_chan.py times both)
+#: sums) instead of one CTA per tile: slower where measured (H200, 2026-11-27: L1-36 4.30-4.43 ms
+#: against 3.98, LayerNorm2d(96) bf16 0.037-0.063 against 0.036-0.058)
 THIN_PERSISTENT = False
 #: None: thin tiles for C <= THIN_MAX_C; True: wherever they have a plan; False: never
 #: (set by :func:`enable_thin`: the GPU tests and the bench run both forwards)

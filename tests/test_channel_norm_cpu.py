@@ -230,14 +230,17 @@ def _thin_plan(N, C, S, itemsize, vectorized, rms, persistent=False, cpt=None, m
 
 def test_thin_plan_of_kernelbench_36_and_convnext():
     plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True)
-    # 16 thread rows of 4 packs (64 channels) by 8 packs of 16 bytes: a 128-byte row per access
+    # 8 thread rows of 8 packs (64 channels) by 8 packs of 16 bytes: a 128-byte row per access
+    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin8", 8, 8, 8)
+    assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 8 * 1
+    plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True, cpt=4)
     assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin4", 4, 8, 16)
     assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 4 * 4
     plan, _ = _thin_plan(64, 96, 56 * 56, 2, True, rms=False, persistent=True)
     assert (plan.kernel, plan.px, plan.cy, plan.tiles) == (
-        "channel_norm_fwd_layer_thin4_persistent",
+        "channel_norm_fwd_layer_thin8_persistent",
         8,
-        24,
+        12,
         49,
     )
     plan, cpt = _thin_plan(2, 96, 56 * 56, 2, False, rms=False)  # unaligned: single elements
@@ -292,7 +295,7 @@ def test_thin_plan_refuses_what_does_not_fit_and_routes_by_channels(monkeypatch)
     from cupynorm import _channel
 
     assert _thin_plan(2, 600, 64, 4, True, rms=True)[0] is None  # 75 rows of 8 packs
-    narrow, _ = _thin_plan(2, 64, 64, 4, True, rms=True, max_threads=64)  # a kernel's limit
+    narrow, _ = _thin_plan(2, 64, 64, 4, True, rms=True, max_threads=64, cpt=4)  # a kernel's limit
     assert (narrow.px, narrow.cy) == (4, 16)
     assert _thin_plan(2**20, 64, 2**20 * 4, 4, True, rms=True)[0] is None  # 2^31 tiles
     monkeypatch.setattr(_channel, "thin", None)

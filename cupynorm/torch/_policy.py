@@ -125,10 +125,10 @@ EAGER_DEFAULT: Mapping[str, int] = {
     "batch_norm": 1 << 26,  # batch_norm, batch_norm_act with neither residual nor activation
     "batch_norm_act": 1 << 24,  # batch_norm_act with a residual or an activation
     "group_norm": 1 << 22,  # group_norm on contiguous input (channels_last: the kernels)
-    # every size, but the GPU's progress decides (the adaptive choice below): in 50-layer stacks
-    # the fused call's host is below torch's group norm + SiLU, in SD-1.5's UNet step (fp16
-    # autocast, H200) 65 us above, and that step is host-paced (0.96x with the kernels always)
-    "group_norm_act": 1,
+    # always the kernels: given the adaptive choice below at every size (1), the diffusion
+    # blocks under fp16 autocast fell to 0.91x eager (H200, 2026-11-27; 1.22x with the kernels,
+    # H100, 11-26) while SD-1.5's UNet step went 0.96x -> 1.01x on another host
+    "group_norm_act": 0,
     "instance_norm": 0,
     "layer_norm": 1 << 27,  # layer_norm, add_layer_norm
     "rms_norm": 1 << 27,  # rms_norm, add_rms_norm
