@@ -1,10 +1,18 @@
 """Shared test helpers: GPU detection, poisoning of the allocator's memory, the replay check of
 every recorded call on a GPU, and the fixtures that send CPU tensors down cupynorm.torch's CUDA
-route onto the reference kernels (``kernels``, ``kernel_path``)."""
+route onto the reference kernels (``kernels``, ``kernel_path``). Under pytest-xdist: each worker's
+share of the cores (its thread pools), and ``once_per_run`` for work its workers share."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import gc
 import importlib.util
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +42,43 @@ _NEEDS_TORCH = [
 if importlib.util.find_spec("torch") is None:
     collect_ignore = _NEEDS_TORCH
 
+# What each pytest-xdist worker's thread pools may use: torch (and OpenMP, MKL, OpenBLAS) start
+# as many threads as there are cores in every process, so 14 workers on 16 cores ran 224 threads
+# whose parallel regions waited on each other's preempted threads (the bench's dry run of two tiny
+# models, 2 s alone on 2 cores, took 185 s there). The variables reach the processes a test
+# spawns too.
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def _threads_per_xdist_worker() -> int | None:
+    """The cores' share of one worker; None outside pytest-xdist (the user's setting stands)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return None
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cores or 1) // workers)
+    with contextlib.suppress(ValueError):  # a smaller setting of the user's stands
+        share = min(share, int(os.environ.get("OMP_NUM_THREADS", share)))
+    return max(1, share)
+
+
+def _share_the_cores_between_xdist_workers() -> None:
+    threads = _threads_per_xdist_worker()
+    if threads is None:
+        return
+    for name in _THREAD_VARIABLES:
+        os.environ[name] = str(threads)
+    # Inductor compiles in a pool of one process per core unless told otherwise: one per worker
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.set_num_threads(threads)  # torch may be imported already: the variables come too late
+
+
+_share_the_cores_between_xdist_workers()
+
 
 def cuda_available() -> bool:
     try:
@@ -53,6 +98,31 @@ def timm_norm_act():
         return pytest.importorskip("timm.layers.norm_act")
     except ImportError as error:
         pytest.skip(f"timm does not import: {error}")
+
+
+def once_per_run(tmp_path_factory, name: str, compute: Callable[[Path], object]):
+    """``compute(folder)``, run once per test run: under pytest-xdist the first worker that asks
+    computes (a lock held meanwhile) and the others read its JSON result, so a module-scoped
+    fixture that spawns processes runs once, not in every worker that runs one of its tests.
+    The others fail with its exception's message."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return compute(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the run's folder, above each worker's own
+    path = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not path.is_file():
+            try:
+                value = compute(tmp_path_factory.mktemp(name))
+            except Exception as error:
+                path.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}))
+                raise
+            path.write_text(json.dumps({"value": value}))
+            return value
+    outcome = json.loads(path.read_text())
+    if "error" in outcome:
+        raise RuntimeError(f"{name} (in the worker that ran it): {outcome['error']}")
+    return outcome["value"]
 
 
 def poison_torch_allocator(nbytes: int = 64 << 20) -> None:
@@ -121,6 +191,17 @@ def _every_norm_on_the_kernels():
     yield
     _policy.set_compile_kernels(previous[0])
     _policy.set_eager_min_bytes(previous[1])
+
+
+@pytest.fixture
+def frozen_heap():
+    """The objects that exist when the test starts are left out of the garbage collector's passes
+    until it ends: the bench collects garbage between its cells (gc.collect), which in a test
+    process holding torch, dynamo, transformers and diffusers scans some 300k objects each time
+    (0.16 s; a quarter of the models dry run's time)."""
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture

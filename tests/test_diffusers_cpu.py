@@ -272,8 +272,9 @@ def test_mse_target_takes_the_output_shape() -> None:
 
 
 @pytest.fixture
-def tiny_diffusion_rows(monkeypatch: pytest.MonkeyPatch):
-    """The bench on the CPU with the two diffusion rows on tiny configs of diffusers' classes."""
+def tiny_diffusion_rows(monkeypatch: pytest.MonkeyPatch, frozen_heap):
+    """The bench on the CPU with the two diffusion rows on tiny configs of diffusers' classes,
+    few steps and rounds."""
     monkeypatch.setattr(bench.timing, "cuda", CpuStandIn())
     monkeypatch.setattr(bench.timing, "COPY_BANDWIDTH_BYTES", 1 << 16)
     monkeypatch.setattr(bench.timing, "MIN_FLUSH_BYTES", 1 << 16)
@@ -281,6 +282,8 @@ def tiny_diffusion_rows(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
+    monkeypatch.setattr(train, "ROUNDS", 2)
+    monkeypatch.setattr(train, "PROFILE_STEPS", 1)
     monkeypatch.setattr(train, "COMPILED_MODES", ())
     factories = bench.models.MODEL_FACTORIES
     monkeypatch.setitem(

@@ -10,6 +10,7 @@ import inspect
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import once_per_run
 from sync_batchnorm_workers import CASES, run_cases
 from torch import nn
 
@@ -22,7 +23,8 @@ WORLD = 3
 def results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    return run_cases(WORLD, tmp_path_factory.mktemp("sync_batchnorm"))
+    # one spawn for every case (and, under pytest-xdist, for every worker)
+    return once_per_run(tmp_path_factory, "sync_batchnorm", lambda folder: run_cases(WORLD, folder))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

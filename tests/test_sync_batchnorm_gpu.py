@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cuda_available, poison_torch_allocator
+from conftest import cuda_available, once_per_run, poison_torch_allocator
 from sync_batchnorm_workers import CASES, run_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_available(), reason="needs a CUDA GPU")]
@@ -23,7 +23,12 @@ NCCL_WORLDS = (2, 4)
 def results(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    return run_cases(WORLD, tmp_path_factory.mktemp("sync_batchnorm_gpu"), device="cuda")
+    # one spawn for every case (and, under pytest-xdist, for every worker)
+    return once_per_run(
+        tmp_path_factory,
+        "sync_batchnorm_gpu",
+        lambda folder: run_cases(WORLD, folder, device="cuda"),
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -39,8 +44,11 @@ def nccl_results(request, tmp_path_factory):
         pytest.skip(f"NCCL runs one process per GPU: needs {world} GPUs")
     if not dist.is_available() or not dist.is_nccl_available():
         pytest.skip("torch.distributed with NCCL is not available")
-    folder = tmp_path_factory.mktemp(f"sync_batchnorm_nccl{world}")
-    return run_cases(world, folder, device="cuda", backend="nccl")
+    return once_per_run(
+        tmp_path_factory,
+        f"sync_batchnorm_nccl{world}",
+        lambda folder: run_cases(world, folder, device="cuda", backend="nccl"),
+    )
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
