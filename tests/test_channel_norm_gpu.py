@@ -148,13 +148,17 @@ def test_float32_parameters_beside_half_input(layout, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_offset_data_keeps_its_digits(layout, dtype):
     """Mean 1e4, std 1 per pixel: the variance is a two-pass over registers, not E[x^2]-E[x]^2."""
-    x = rand((2, 64, 16, 16), dtype, LAYOUTS[layout], offset=1e4)
+    _assert_offset_error_within_torchs(rand((2, 64, 16, 16), dtype, LAYOUTS[layout], offset=1e4))
+
+
+def _assert_offset_error_within_torchs(x):
+    """layer_norm2d of x (offset 1e4) no further from float64 than torch's own layer norm on the
+    same data (fp32 holds x itself to ~1e-3 here), give or take a few float64 ulps of the
+    offset."""
     poison_torch_allocator()
     ref = reference(x, None, None, False, 1e-5)
     ours = (cnt.layer_norm2d(x).double() - ref).abs().max().item()
     theirs = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), eps=1e-5).permute(0, 3, 1, 2)
-    # no larger than torch's own error on the same data (fp32 holds x itself to ~1e-3 here),
-    # give or take a few float64 ulps of the offset
     slack = 16 * 1e4 * torch.finfo(torch.float64).eps
     assert ours <= 1.5 * (theirs.double() - ref).abs().max().item() + slack
 
@@ -242,13 +246,7 @@ def test_nchw_forward_variants_keep_the_digits_of_offset_data(fwd_variant, dtype
     """Mean 1e4, std 1 per pixel, for every kernel variant (64 channels; 15 pixels per plane:
     single elements, 256: packs): no larger than torch's own error on the same data."""
     for shape in ((2, 64, 16, 16), (2, 64, 3, 5)):
-        x = rand(shape, dtype, offset=1e4)
-        poison_torch_allocator()
-        ref = reference(x, None, None, False, 1e-5)
-        ours = (cnt.layer_norm2d(x).double() - ref).abs().max().item()
-        theirs = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), eps=1e-5).permute(0, 3, 1, 2)
-        slack = 16 * 1e4 * torch.finfo(torch.float64).eps
-        assert ours <= 1.5 * (theirs.double() - ref).abs().max().item() + slack
+        _assert_offset_error_within_torchs(rand(shape, dtype, offset=1e4))
 
 
 def test_nchw_forward_variants_unaligned_and_half_params(fwd_variant):
