@@ -424,6 +424,37 @@ def test_a_failing_mode_is_that_cell_only(
         assert "ERROR" not in rows[("gn_blocks_fp16_cl", "eager", impl)][3]
 
 
+def test_graphed_steps_live_one_at_a_time(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Two whole-step graphs alive in one process faulted on replay (torch 2.11, CUDA 13): the
+    graphed mode captures, times and frees torch's step before it captures cupynorm's."""
+    models_dry_run()
+    stand_in = bench.timing.cuda
+    live: set[int] = set()
+    most = [0]
+
+    class Graph:
+        def __init__(self, step):
+            self.step = step
+            live.add(id(self))
+            most[0] = max(most[0], len(live))
+
+        def __call__(self):
+            return self.step()
+
+        def __del__(self):
+            live.discard(id(self))
+
+    monkeypatch.setattr(stand_in, "capture_graph", lambda step, warmup: Graph(step))
+    argv = ["bench", "--reps", "2", "--no-compile", "--only", "gn_blocks_fp16_cl"]
+    assert main(argv) == 0
+    rows = {tuple(row[:3]): row for row in _models_table(capsys.readouterr().out)[2:]}
+    for impl in ("torch", "cupynorm"):
+        assert "ERROR" not in rows[("gn_blocks_fp16_cl", "graphed", impl)][3]
+    assert most[0] == 1
+
+
 def _fake_eager_steps(monkeypatch: pytest.MonkeyPatch, log: list[str], oom: str | None = None):
     """`train._built_step` answering with steps that log their implementation (or raising the
     device's out-of-memory error for `oom`), and a profile with nothing in it."""
