@@ -95,10 +95,8 @@ def _group_norm_fwd_cuda(
     """The op's CUDA kernel: (y, mean, rstd); ``out_float32``: y in float32 beside a half x;
     without ``want_stats`` (no autograd) mean and rstd are None and the kernels skip them where
     they can."""
-    # fmt: off
     return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, out_float32,
-                                    want_stats)
-    # fmt: on
+                                    want_stats)  # fmt: skip
 
 
 def _group_norm_bwd_cuda(
@@ -498,6 +496,14 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
 # ---------------------------------------------------------------------------------------------
 # functional API
 # ---------------------------------------------------------------------------------------------
+def _on_kernels(input: Tensor, kind: str) -> bool:
+    """:func:`._route._use_kernels`, but channels_last input stays on the kernels whatever its
+    size: torch's group norm would give it a contiguous output, the next layer a copy back."""
+    return _use_kernels(input, kind) or (
+        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
+    )
+
+
 def group_norm(
     input: Tensor,
     num_groups: int,
@@ -538,12 +544,7 @@ def group_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("group_norm", "input", input)
-    # channels_last input stays on the kernels whatever its size: torch's group norm would give
-    # it a contiguous output, and the model's next layer a copy back
-    on_kernels = _use_kernels(input, "group_norm") or (
-        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
-    )
-    if not on_kernels or inductor_takes("group_norm"):
+    if not _on_kernels(input, "group_norm") or inductor_takes("group_norm"):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
 
@@ -590,10 +591,7 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
-    on_kernels = _use_kernels(input, "group_norm_act") or (
-        input.is_cuda and not input.is_contiguous() and not _higher_order.composite_only()
-    )  # channels_last: as group_norm
-    if on_kernels and not inductor_takes("group_norm"):
+    if _on_kernels(input, "group_norm_act") and not inductor_takes("group_norm"):
         return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)
