@@ -170,9 +170,8 @@ extern "C" __global__ void channel_norm_fwd_rms(
 // The forward above holds up to 16 packs per thread (96 registers for fp32 RMS: ~2 CTAs of 256
 // threads per SM, each one load-reduce-store phase with nothing overlapping; KernelBench L1-36 at
 // 67% of copy bandwidth). Here a thread holds CPT packs (4: 16 registers of fp32 data), so many
-// small CTAs share an SM (~10 of 128 threads for fp32 RMS), one tile each; the _persistent
-// kernels instead walk tiles grid-stride with the next tile's loads issued before the current
-// tile's sums, so loads stay in flight through the barrier and the stores.
+// small CTAs share an SM (~10 of 128 threads for fp32 RMS), one tile each (grid-stride CTAs
+// loading the next tile before the current one's sums were slower: benchmarks/NOTES.md 2.7).
 //
 // Mapping: a CTA of (PX, CY) threads, PX a power of two <= 32, so a warp holds R = 32 / PX rows
 // of ty (CY a multiple of R); thread (tx, ty) holds channels c = ty + k * CY (k < CPT) of pack
@@ -337,11 +336,9 @@ __device__ __forceinline__ void thin_tile(const ThinPack<V> (&v)[CPT], const acc
     }
 }
 
-// PERSISTENT: CTA b walks tiles b, b + grid, ... of the total = N * tiles (tiles per sample; the
-// host keeps it below 2^31), the next tile's packs loaded before this one's sums. Otherwise one
-// tile per CTA (grid = total). Dynamic shared memory: thin_column_sum's buffers, K = V (RMS) or
-// 2 * V (LayerNorm).
-template <int V, int CPT, bool RMS, bool PERSISTENT>
+// One tile per CTA: grid = total = N * tiles (tiles per sample; the host keeps it below 2^31).
+// Dynamic shared memory: thin_column_sum's buffers, K = V (RMS) or 2 * V (LayerNorm).
+template <int V, int CPT, bool RMS>
 __device__ __forceinline__ void channel_fwd_thin(const scalar_t* __restrict__ x,
                                                  scalar_t* __restrict__ y,
                                                  const param_t* __restrict__ weight,
@@ -359,24 +356,12 @@ __device__ __forceinline__ void channel_fwd_thin(const scalar_t* __restrict__ x,
     }
     int flip = 0;
     ThinPack<V> v[CPT];
-    int t = blockIdx.x;
+    const int t = blockIdx.x;
     if (t >= total) return;  // uniform over the CTA
     thin_load<V, CPT>(v, x, t, tiles, C, S, kc);
-    if (!PERSISTENT) {
-        const int n = t / tiles;
-        const int64 p = static_cast<int64>(t - n * tiles) * blockDim.x + threadIdx.x;
-        thin_tile<V, CPT, RMS>(v, w, b, y, mean, rstd, n, p, p < packs ? kc : 0, C, S, eps, flip);
-        return;
-    }
-    for (; t < total; t += gridDim.x) {  // uniform over the CTA: no barrier is skipped by a part
-        ThinPack<V> next[CPT];
-        if (t + gridDim.x < total) thin_load<V, CPT>(next, x, t + gridDim.x, tiles, C, S, kc);
-        const int n = t / tiles;
-        const int64 p = static_cast<int64>(t - n * tiles) * blockDim.x + threadIdx.x;
-        thin_tile<V, CPT, RMS>(v, w, b, y, mean, rstd, n, p, p < packs ? kc : 0, C, S, eps, flip);
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) v[k] = next[k];
-    }
+    const int n = t / tiles;
+    const int64 p = static_cast<int64>(t - n * tiles) * blockDim.x + threadIdx.x;
+    thin_tile<V, CPT, RMS>(v, w, b, y, mean, rstd, n, p, p < packs ? kc : 0, C, S, eps, flip);
 }
 
 // _thin4 / _thin8: packs of VEC elements (x, y 16-byte aligned, S a multiple of VEC), 4 or 8
@@ -388,25 +373,20 @@ __device__ __forceinline__ void channel_fwd_thin(const scalar_t* __restrict__ x,
 // ptxas takes 54 registers for the fp32 RMS tile (16 of data: the rest addresses computed ahead).
 #define CTAS(f32, half, f64) \
     (sizeof(scalar_t) == 8 ? (f64) : sizeof(scalar_t) == 4 ? (f32) : (half))
-#define CHANNEL_FWD_THIN(NAME, V, CPT, RMS, PERSISTENT, MIN_CTAS)                                 \
+#define CHANNEL_FWD_THIN(NAME, V, CPT, RMS, MIN_CTAS)                                             \
     extern "C" __global__ void __launch_bounds__(256, MIN_CTAS) NAME(                             \
         const scalar_t* __restrict__ x, scalar_t* __restrict__ y,                                 \
         const param_t* __restrict__ weight, const param_t* __restrict__ bias,                     \
         acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int C, int64 S, int tiles, int total, \
         acc_t eps) {                                                                              \
-        channel_fwd_thin<V, CPT, RMS, PERSISTENT>(x, y, weight, bias, mean, rstd, C, S, tiles,    \
-                                                  total, eps);                                    \
+        channel_fwd_thin<V, CPT, RMS>(x, y, weight, bias, mean, rstd, C, S, tiles, total, eps);   \
     }
-CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin4, VEC, 4, true, false, CTAS(5, 5, 4))
-CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin4, VEC, 4, false, false, CTAS(4, 3, 4))
-CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin4_persistent, VEC, 4, true, true, CTAS(4, 3, 3))
-CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin4_persistent, VEC, 4, false, true, CTAS(3, 2, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin8, VEC, 8, true, false, CTAS(3, 3, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin8, VEC, 8, false, false, CTAS(2, 2, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin8_persistent, VEC, 8, true, true, CTAS(2, 2, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin8_persistent, VEC, 8, false, true, CTAS(2, 2, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin_scalar, 1, 16, true, false, CTAS(3, 3, 2))
-CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin_scalar, 1, 16, false, false, CTAS(3, 3, 2))
+CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin4, VEC, 4, true, CTAS(5, 5, 4))
+CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin4, VEC, 4, false, CTAS(4, 3, 4))
+CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin8, VEC, 8, true, CTAS(3, 3, 2))
+CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin8, VEC, 8, false, CTAS(2, 2, 2))
+CHANNEL_FWD_THIN(channel_norm_fwd_rms_thin_scalar, 1, 16, true, CTAS(3, 3, 2))
+CHANNEL_FWD_THIN(channel_norm_fwd_layer_thin_scalar, 1, 16, false, CTAS(3, 3, 2))
 #undef CHANNEL_FWD_THIN
 #undef CTAS
 

@@ -55,10 +55,6 @@ THIN_CPT4_MAX_C = 0
 THIN_ROW_BYTES = 128
 #: narrowest thin tile in packs (a warp of 8 channel rows of 4 packs)
 THIN_MIN_PX = 4
-#: the grid-stride kernels (resident CTAs, the next tile's packs loaded before the current one's
-#: sums) instead of one CTA per tile: slower where measured (H200, 2026-11-27: L1-36 4.30-4.43 ms
-#: against 3.98, LayerNorm2d(96) bf16 0.037-0.063 against 0.036-0.058)
-THIN_PERSISTENT = False
 #: None: thin tiles for C <= THIN_MAX_C; True: wherever they have a plan; False: never
 #: (set by :func:`enable_thin`: the GPU tests and the bench run both forwards)
 thin: bool | None = None
@@ -145,13 +141,13 @@ class ThinPlan:
     smem: int  # dynamic shared memory, bytes (0: one warp, shuffles only)
 
 
-def thin_kernel(C: int, rms: bool, vectorized: bool, persistent: bool, cpt: int | None = None):
+def thin_kernel(C: int, rms: bool, vectorized: bool, cpt: int | None = None):
     """(kernel name, packs per thread) of the thin forward; ``cpt`` 4 or 8 (vectorized only)."""
     op = "rms" if rms else "layer"
     if not vectorized:
         return f"channel_norm_fwd_{op}_thin_scalar", 16
     cpt = cpt or (4 if C <= THIN_CPT4_MAX_C else 8)
-    return f"channel_norm_fwd_{op}_thin{cpt}" + ("_persistent" if persistent else ""), cpt
+    return f"channel_norm_fwd_{op}_thin{cpt}", cpt
 
 
 def plan_thin(
@@ -207,34 +203,20 @@ def forward_thin(
     rms: bool,
     *,
     cpt: int | None = None,
-    persistent: bool | None = None,
     px: int | None = None,
 ) -> ThinPlan | None:
     """The thin forward's launch (as :func:`forward`), or None (nothing launched) when it has no
-    plan. ``cpt``, ``persistent``, ``px``: the plan's choices, for measurements."""
+    plan. ``cpt``, ``px``: the plan's choices, for measurements."""
     N = x.shape[0]
     vectorized = call.vec > 1 and S % call.vec == 0 and call.aligned(x, y)
-    persistent = THIN_PERSISTENT if persistent is None else persistent
-    kernel, cpt = thin_kernel(C, rms, vectorized, persistent, cpt)
+    kernel, cpt = thin_kernel(C, rms, vectorized, cpt)
     most = min(THIN_MAX_THREADS, max_threads(call, kernel))
     plan = plan_thin(N, C, S, call.itemsize, vectorized, rms, kernel, cpt, most, px)
     if plan is None:
         return None
     total = N * plan.tiles
-    grid = total
-    if kernel.endswith("_persistent"):
-        resident = _compile.resident_ctas(
-            call.device,
-            _CHANNEL,
-            kernel,
-            call.dtype,
-            call.param_dtype,
-            plan.px * plan.cy,
-            plan.smem,
-        )
-        grid = max(1, min(total, resident * call.info.sm_count))
     # fmt: off
-    call.launch(_CHANNEL, kernel, grid, (plan.px, plan.cy), (
+    call.launch(_CHANNEL, kernel, total, (plan.px, plan.cy), (
         call.ptr(x), call.ptr(y), call.ptr(weight), call.ptr(bias), call.ptr(mean),
         call.ptr(rstd), np.int32(C), np.int64(S), np.int32(plan.tiles), np.int32(total),
         _scalar(call.acc, eps)), plan.smem)

@@ -89,10 +89,8 @@ def check(label: str, got: torch.Tensor, want_fn, chunks: int = 1, tol: float = 
 
 def thin_variants():
     return [
-        ("thin4", dict(cpt=4, persistent=False)),
-        ("thin4_persistent", dict(cpt=4, persistent=True)),
-        ("thin8", dict(cpt=8, persistent=False)),
-        ("thin8_persistent", dict(cpt=8, persistent=True)),
+        ("thin4", dict(cpt=4)),
+        ("thin8", dict(cpt=8)),
     ]
 
 
@@ -233,7 +231,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     print(
         f"thin defaults: THIN_MAX_C={_channel.THIN_MAX_C} "
-        f"THIN_PERSISTENT={_channel.THIN_PERSISTENT}",
+        f"THIN_CPT4_MAX_C={_channel.THIN_CPT4_MAX_C}",
         flush=True,
     )
     failures: list = []

@@ -221,10 +221,10 @@ def test_timm_rms_norm2d_with_llama_included_is_still_a_channel_norm():
 
 
 # ---- the thin-tile forward's plan (cuda_src/channel_norm.cu, channel_fwd_thin) ----------------
-def _thin_plan(N, C, S, itemsize, vectorized, rms, persistent=False, cpt=None, max_threads=256):
+def _thin_plan(N, C, S, itemsize, vectorized, rms, cpt=None, max_threads=256):
     from cupynorm import _channel
 
-    kernel, cpt = _channel.thin_kernel(C, rms, vectorized, persistent, cpt)
+    kernel, cpt = _channel.thin_kernel(C, rms, vectorized, cpt)
     return _channel.plan_thin(N, C, S, itemsize, vectorized, rms, kernel, cpt, max_threads), cpt
 
 
@@ -236,13 +236,9 @@ def test_thin_plan_of_kernelbench_36_and_convnext():
     plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True, cpt=4)
     assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin4", 4, 8, 16)
     assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 4 * 4
-    plan, _ = _thin_plan(64, 96, 56 * 56, 2, True, rms=False, persistent=True)
-    assert (plan.kernel, plan.px, plan.cy, plan.tiles) == (
-        "channel_norm_fwd_layer_thin8_persistent",
-        8,
-        12,
-        49,
-    )
+    plan, _ = _thin_plan(64, 96, 56 * 56, 2, True, rms=False)
+    assert (plan.kernel, plan.px, plan.cy) == ("channel_norm_fwd_layer_thin8", 8, 12)
+    assert plan.tiles == 49
     plan, cpt = _thin_plan(2, 96, 56 * 56, 2, False, rms=False)  # unaligned: single elements
     assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_layer_thin_scalar", 16, 32, 6)
 

@@ -3,8 +3,8 @@ LayerNorm2d / RMSNorm2d modules): forward and backward against torch (the permut
 timm's LayerNorm2d) and a float64 reference on fresh random data (the allocator poisoned with NaN
 first), both layouts, every dtype, odd / unaligned / many-channel shapes, offset data, float32
 weights beside half input, CuPy inputs, reproducible gradients, torch.compile and CUDA graphs;
-each NCHW forward kernel (thin tiles: 4 / 8 packs, one tile per CTA or persistent, single
-elements; register tiles) on its own.
+each NCHW forward kernel (thin tiles: 4 / 8 packs, single elements; register tiles) on its
+own.
 """
 
 from __future__ import annotations
@@ -188,17 +188,10 @@ THIN_SHAPES = {
     "c130": (2, 130, 5, 12),  # more than 128 channels: 8 packs per thread; unused thread rows
     "c256": (2, 256, 4, 8),  # the most channels the thin tiles take by default
     "s15": (2, 64, 3, 5),  # S = 15: no packs, a tile wider than the plane
-    # more tiles than resident CTAs: the persistent kernels walk several, the next one prefetched
-    "many_tiles": (4, 64, 192, 192),
+    "many_tiles": (4, 64, 192, 192),  # more tiles than CTAs resident at once
 }
-#: variant -> (THIN_CPT4_MAX_C, THIN_PERSISTENT), or None: the register tiles
-FWD_VARIANTS = {
-    "thin4": (4096, False),
-    "thin4_persistent": (4096, True),
-    "thin8": (0, False),
-    "thin8_persistent": (0, True),
-    "register_tiles": None,
-}
+#: variant -> THIN_CPT4_MAX_C, or None: the register tiles
+FWD_VARIANTS = {"thin4": 4096, "thin8": 0, "register_tiles": None}
 
 
 @pytest.fixture(params=list(FWD_VARIANTS))
@@ -208,8 +201,7 @@ def fwd_variant(request, monkeypatch):
 
     setting = FWD_VARIANTS[request.param]
     if setting is not None:
-        monkeypatch.setattr(_channel, "THIN_CPT4_MAX_C", setting[0])
-        monkeypatch.setattr(_channel, "THIN_PERSISTENT", setting[1])
+        monkeypatch.setattr(_channel, "THIN_CPT4_MAX_C", setting)
     _channel.enable_thin(setting is not None)
     yield request.param
     _channel.enable_thin(None)
