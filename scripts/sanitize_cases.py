@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupynorm  # noqa: E402
-from cupynorm import _ops, _single  # noqa: E402
+from cupynorm import _channel, _ops, _single  # noqa: E402
 
 
 def close(a, b, tol=1e-4):
@@ -136,6 +136,19 @@ def main() -> None:
                                                out_dtype="float32")  # fmt: skip
                 close(y, F.layer_norm(x.float(), shape[-1:], wf, wf), 1e-4)
                 _ops.row_norm_bwd(dy.float(), None, x, m, r, wf, shape[-1], (True, True, True))
+        # channel norms of NCHW tensors: thin tiles (one warp, several warps with shared sums,
+        # scalar loads on an odd pixel count) and the wide forward; then the default restored
+        for thin in (True, False):
+            _channel.enable_thin(thin)
+            for shape in ((2, 3, 5, 8), (2, 96, 7, 16), (3, 130, 3, 5), (1, 256, 64, 64)):
+                x = torch.randn(shape, device="cuda", dtype=dtype)
+                w = torch.rand(shape[1], device="cuda", dtype=dtype) + 0.5
+                ref = F.layer_norm(x.float().movedim(1, -1), shape[1:2], w.float(), w.float())
+                close(cupynorm.layer_norm2d(x, w, w), ref.movedim(-1, 1), tol * 3)
+                ms = x.float().pow(2).mean(1, keepdim=True)
+                ref = x.float() * torch.rsqrt(ms + 1e-6) * w.float()[:, None, None]
+                close(cupynorm.rms_norm2d(x, w, 1e-6), ref, tol * 3)
+        _channel.enable_thin(None)
         # BatchNorm + residual add + ReLU on channels_last, few rows of many channels (tiles)
         x, z, dy = (
             torch.randn(4, 2048, 7, 7, device="cuda", dtype=dtype).to(
