@@ -228,6 +228,36 @@ def test_fuse_on_the_kernel_route_trains_like_torch(kernels):
         assert (p.grad - g).abs().max().item() <= 1e-5 * scale, name
 
 
+class _WithRowNorms(nn.Module):
+    """A conv block whose output is normalized over its channels as NHWC rows (convnext's
+    pattern), and an RMSNorm after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+
+    def forward(self, x):
+        y = F.relu(self.bn(self.conv(x))).permute(0, 2, 3, 1)
+        return self.rms(self.ln(y))
+
+
+def test_fuse_traces_past_converted_layer_and_rms_norms():
+    # row norms converted first (replace_norms with include=) are leaves of fuse's trace: traced
+    # into, their argument checks would meet proxies, the trace fail and every fusion be lost
+    torch.manual_seed(3)
+    ref = _WithRowNorms()
+    report: list[str] = []
+    model = cnt.replace_norms(copy.deepcopy(ref), include=[nn.LayerNorm, nn.RMSNorm])
+    fused = cnt.fuse(model, report=report)
+    assert isinstance(fused, torch.fx.GraphModule) and report == ["bn + relu"]
+    assert type(fused.ln) is cnt.LayerNorm and type(fused.rms) is cnt.RMSNorm
+    x = torch.randn(2, 3, 6, 7)
+    torch.testing.assert_close(fused(x), ref(x))
+
+
 class _Untraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -64,6 +64,8 @@ _ADDS = (operator.add, operator.iadd, torch.add)
 _NORMS = (
     torch.nn.modules.batchnorm._NormBase,
     torch.nn.GroupNorm,
+    torch.nn.LayerNorm,  # cupynorm's row and channel norms too: their checks cannot take proxies
+    torch.nn.RMSNorm,
 )
 
 
