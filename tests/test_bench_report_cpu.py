@@ -359,3 +359,41 @@ def test_report_renders_the_convergence_runs(tmp_path: Path, capsys) -> None:
         "conv.json",
     ]  # fmt: skip
     assert rows["llama"][-2:] == ["skipped", "conv.json"]
+
+
+def test_report_renders_the_timm_sweep(tmp_path: Path, capsys) -> None:
+    """scripts/timm_sweep.py's JSON: a row per model that ran (counts, what was left and why,
+    cupynorm's errors, the verdict, both step times with their ratio); the models the run's
+    time did not reach are counted, not listed."""
+
+    def record(model: str, **fields) -> dict:
+        return {"family": model.split("_")[0], "model": model, "status": "ok", "error": None,
+                "norm_layers": 0, "converted": 0, "fused": 0, "left": [], "errors": {},
+                "ok": None, "eager_ms": {}, "graphed_ms": {}, **fields}  # fmt: skip
+
+    errors = {"out_cupynorm": 5e-7, "dx_cupynorm": 1.0, "pgrad_cupynorm": 6.3}
+    sweep = {
+        "environment": {"device_name": "NVIDIA H200", "torch": "2.11", "timm": "1.0.29",
+                        "date": "2026-11-27 12:53 UTC", "conversion": "fuse"},
+        "records": [
+            record("convnextv2_atto", norm_layers=29, converted=17, ok=True,
+                   left=[{"class": "timm.layers.GlobalResponseNorm", "count": 12,
+                          "reason": "no cupynorm counterpart"}],
+                   eager_ms={"torch": 30.0, "cupynorm": 32.0},
+                   graphed_ms={"torch": 11.5, "cupynorm": 10.0}),
+            record("poolformerv2_s12", norm_layers=29, converted=29, ok=False, errors=errors),
+            record("broken", status="failed", error="build: RuntimeError: no such model"),
+            record("beit_base", status="not run (time)"),
+        ],
+    }  # fmt: skip
+    assert main(["report", _write(tmp_path, "timm.json", sweep)]) == 0
+    section = _section(capsys.readouterr().out, "## timm")
+    assert "(timm.json); conversion: fuse; 1 families not reached" in section
+    rows = {row[0]: row for row in _rows(section).values()}
+    assert set(rows) == {"`convnextv2_atto`", "`poolformerv2_s12`", "`broken`"}
+    assert rows["`convnextv2_atto`"][2:] == [
+        "29", "17", "0", "GlobalResponseNorm x12: no cupynorm counterpart", "- / - / -", "yes",
+        "30.00 / 32.00 (0.94x)", "11.50 / 10.00 (1.15x)",
+    ]  # fmt: skip
+    assert rows["`poolformerv2_s12`"][6:8] == ["5.0e-07 / 1.0e+00 / 6.3e+00", "**no**"]
+    assert rows["`broken`"][7] == "build: RuntimeError: no such model"

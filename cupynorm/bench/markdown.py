@@ -46,6 +46,7 @@ class Results:
     two_gpus: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # profile calls JSON
     convergence: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # one per model
+    timm: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # timm_sweep.py JSON
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
 
 
@@ -81,11 +82,14 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
         if _is_convergence(data):
             results.convergence.extend((source, result) for result in data.values())
             continue
+        if isinstance(data, dict) and "timm" in data.get("environment", {}):
+            results.timm.append((source, data))
+            continue
         if not isinstance(data, dict) or not ("workloads" in data or "models" in data):
             raise ValueError(
                 f"{source}: not a report of `python -m cupynorm bench --json`, rows of "
-                "scripts/bench_sync_batchnorm.py --json, of `profile calls --json` nor of "
-                "scripts/convergence.py"
+                "scripts/bench_sync_batchnorm.py --json, of `profile calls --json`, of "
+                "scripts/convergence.py nor of scripts/timm_sweep.py"
             )
         results.runs.append((source, data))
         for key, rows in (("workloads", results.kernels), ("models", results.models)):
@@ -475,6 +479,47 @@ def _convergence_section(results: Results) -> list[str]:
     ]
 
 
+def _timm_section(results: Results) -> list[str]:
+    def pair(values: dict[str, float], spec: str) -> str:
+        torch_value, ours = values.get("torch"), values.get("cupynorm")
+        if torch_value is None or ours is None:
+            return "-"
+        return f"{torch_value:{spec}} / {ours:{spec}} ({_ratio(torch_value / ours)})"
+
+    lines = [
+        "## timm: one model per family",
+        "",
+        "`python scripts/timm_sweep.py --json FILE`: each model converted by `fuse`, its fp32 "
+        "output, input gradient and worst parameter gradient checked against torch in float64 "
+        "(batch 4, channels_last, TF32 off; ok: cupynorm within 2x torch's error + 1e-6), and "
+        "its training step timed (batch 32, bf16 autocast, channels_last, SGD; ms torch / "
+        "cupynorm, vs torch) eager and captured whole in a CUDA graph.",
+    ]
+    for source, data in results.timm:
+        env, rows, skipped = data["environment"], [], 0
+        for r in data["records"]:
+            if r["status"] == "not run (time)":
+                skipped += 1
+                continue
+            left = ", ".join(f"{e['class'].rsplit('.', 1)[-1]} x{e['count']}: {e['reason']}"
+                             for e in r["left"]) or "-"  # fmt: skip
+            errors = r["errors"]
+            worst = " / ".join(_number(errors.get(f"{kind}_cupynorm"), ".1e")
+                               for kind in ("out", "dx", "pgrad"))  # fmt: skip
+            ok = {True: "yes", False: "**no**"}.get(r["ok"], r["error"] or "-")
+            rows.append([f"`{r['model']}`", r["family"], str(r["norm_layers"]),
+                         str(r["converted"]), str(r["fused"]), _cell(left), worst, ok,
+                         pair(r["eager_ms"], ".2f"), pair(r["graphed_ms"], ".2f")])  # fmt: skip
+        columns = ("model", "family", "norm layers", "converted", "fused", "left (why)",
+                   "cupynorm err out / dx / param", "ok", "eager ms", "graphed ms")  # fmt: skip
+        setup = (f"{env.get('device_name', '-')}, torch {env.get('torch', '-')}, timm "
+                 f"{env.get('timm', '-')}, {env.get('date', '-')} ({source}); conversion: "
+                 f"{env.get('conversion', 'fuse')}; {skipped} families not reached in the "
+                 "run's time:")  # fmt: skip
+        lines += ["", setup, "", *_table(columns, rows, left=2)]
+    return lines
+
+
 def render(results: Results) -> str:
     """The whole page."""
     lines = _header(results)
@@ -488,4 +533,6 @@ def render(results: Results) -> str:
         lines += ["", *_calls_section(results)]
     if results.convergence:
         lines += ["", *_convergence_section(results)]
+    if results.timm:
+        lines += ["", *_timm_section(results)]
     return "\n".join(lines).rstrip() + "\n"
