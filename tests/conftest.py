@@ -100,6 +100,20 @@ def timm_norm_act():
         pytest.skip(f"timm does not import: {error}")
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (scripts/ is no package), loaded once per process."""
+    import sys
+
+    module_name = f"{name}_script"
+    if module_name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
 def once_per_run(tmp_path_factory, name: str, compute: Callable[[Path], object]):
     """``compute(folder)``, run once per test run: under pytest-xdist the first worker that asks
     computes (a lock held meanwhile) and the others read its JSON result, so a module-scoped

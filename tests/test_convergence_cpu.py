@@ -4,30 +4,16 @@ modules fall back to torch's functional calls and so must give torch's curve."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "convergence.py"
-
-
-def _load_script():
-    name = "convergence_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-conv = _load_script()
+conv = load_script("convergence")
 
 # ------------------------------------------------------------------------------------------------
 # The band on fabricated curves

@@ -5,10 +5,8 @@ Skipped where timm is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,23 +15,11 @@ pytest.importorskip("torch")
 pytest.importorskip("timm")
 
 import torch  # noqa: E402
+from conftest import load_script  # noqa: E402
 from test_bench_cpu import CpuStandIn  # noqa: E402
 from torch import nn  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "timm_sweep.py"
-
-
-def _load_script():
-    name = "timm_sweep_script"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-sweep = _load_script()
+sweep = load_script("timm_sweep")
 CPU = sweep.SweepOptions(device="cpu", time_steps=False, accuracy_batch=2)
 
 
