@@ -68,6 +68,11 @@ GN_CASES = [
     ((2, 64, 67, 61), 8, "channels_last"),
     # few rows of many channels: channel tiles over the grid, groups straddling tiles
     ((2, 1026, 5, 3), 6, "channels_last"),
+    # one group of all the channels (timm's GroupNorm1, PoolFormer's stages): the timm sweep of
+    # 11-27 found poolformer(v2)_s12's gradients wrong in fp32 channels_last (benchmarks/NOTES.md)
+    ((4, 64, 56, 56), 1, "channels_last"),
+    ((4, 320, 14, 14), 1, "channels_last"),
+    ((4, 512, 7, 7), 1, "channels_last"),
 ]
 
 
