@@ -109,6 +109,31 @@ def time_copy(x: torch.Tensor) -> float:
     return timed(lambda: y.copy_(x))
 
 
+def compare_forwards(tag, run, x, w, b, eps, rms, want, nbytes, failures, **check_args):
+    """cupynorm's forward both ways (``run``: the public call, register tiles then thin tiles)
+    and each thin variant launched directly: each checked against ``want``, then timed."""
+    for label, on in ((f"register tiles ({tag})", False), (f"thin tiles ({tag})", None)):
+        _channel.enable_thin(on)
+        out = run()
+        ok = check(label, out, want, **check_args)
+        del out  # L1-36's output is 7.5 GB: freed before the next one is made
+        if not ok:
+            failures.append(label)
+        report(label, timed(run), nbytes)
+    _channel.enable_thin(None)
+    for name, choice in thin_variants():
+        out, plan = launch_thin(x, w, b, eps, rms, **choice)
+        if plan is None:
+            report(name, None, nbytes, "no plan")
+            continue
+        ok = check(name, out, want, **check_args)
+        del out
+        if not ok:
+            failures.append(f"{tag} {name}")
+        note = f"px={plan.px} cy={plan.cy} smem={plan.smem}"
+        report(name, timed(lambda c=choice: launch_thin(x, w, b, eps, rms, **c)), nbytes, note)
+
+
 def kernelbench_36(failures: list) -> None:
     shape, eps = (112, 64, 512, 512), 1e-5
     print(f"\n== KernelBench L1-36: RMS over dim 1, fp32 {shape}", flush=True)
@@ -127,35 +152,8 @@ def kernelbench_36(failures: list) -> None:
     report("copy (y.copy_(x))", time_copy(x), nbytes)
 
     with torch.no_grad():
-        for label, on in (
-            ("register tiles (rms_norm2d)", False),
-            ("thin tiles (rms_norm2d)", None),
-        ):
-            _channel.enable_thin(on)
-            out = cnt.rms_norm2d(x, eps=eps)
-            ok = check(label, out, want, chunks=8)
-            del out
-            if not ok:
-                failures.append(label)
-            report(label, timed(lambda: cnt.rms_norm2d(x, eps=eps)), nbytes)
-        _channel.enable_thin(None)
-
-        for name, choice in thin_variants():
-            out, plan = launch_thin(x, None, None, eps, True, **choice)
-            if plan is None:
-                report(name, None, nbytes, "no plan")
-                continue
-            ok = check(name, out, want, chunks=8)
-            del out
-            if not ok:
-                failures.append(f"L1-36 {name}")
-            note = f"px={plan.px} cy={plan.cy} smem={plan.smem}"
-            report(
-                name,
-                timed(lambda c=choice: launch_thin(x, None, None, eps, True, **c)),
-                nbytes,
-                note,
-            )
+        compare_forwards("rms_norm2d", lambda: cnt.rms_norm2d(x, eps=eps), x, None, None, eps,
+                         True, want, nbytes, failures, chunks=8)  # fmt: skip
 
         if os.environ.get("BENCH_COMPILE", "1") != "0":
             t = time.time()
@@ -193,26 +191,8 @@ def layer_norm2d_96(failures: list) -> None:
         return expected[lo:hi]
 
     with torch.no_grad():
-        for label, on in (
-            ("register tiles (LayerNorm2d)", False),
-            ("thin tiles (LayerNorm2d)", None),
-        ):
-            _channel.enable_thin(on)
-            if not check(label, module(x), want, tol=2e-2):
-                failures.append(label)
-            report(label, timed(lambda: module(x)), nbytes)
-        _channel.enable_thin(None)
-        for name, choice in thin_variants():
-            out, plan = launch_thin(x, w, b, eps, False, **choice)
-            if plan is None:
-                report(name, None, nbytes, "no plan")
-                continue
-            if not check(name, out, want, tol=2e-2):
-                failures.append(f"LN2d {name}")
-            note = f"px={plan.px} cy={plan.cy} smem={plan.smem}"
-            report(
-                name, timed(lambda c=choice: launch_thin(x, w, b, eps, False, **c)), nbytes, note
-            )
+        compare_forwards("LayerNorm2d", lambda: module(x), x, w, b, eps, False, want, nbytes,
+                         failures, tol=2e-2)  # fmt: skip
         report("torch eager (permute + layer_norm)", timed(lambda: timm(x)), nbytes)
         if os.environ.get("BENCH_COMPILE", "1") != "0" and elapsed() < DEADLINE_S:
             compiled = torch.compile(timm)
