@@ -1,15 +1,15 @@
 """The channels family (``cuda_src/channel_norm.cu``): LayerNorm / RMSNorm over the C channels of
 each pixel of NCHW data, per (sample, pixel).
 
-Two forwards. Thin tiles (C up to ``THIN_MAX_C``): a thread holds 4 packs of 16 bytes (16 single
-elements when unaligned), a CTA of at most 256 threads sums a column by warp shuffles and one
-pass through shared memory, and many small CTAs share an SM (48 registers for the fp32 RMS tile,
-~10 CTAs of 128 threads per SM). Register tiles (more channels, and the backward): a CTA of (PX,
-CY) threads owns PX packs of adjacent pixels of one sample; thread (tx, ty) keeps the packs of
-channels ty, ty + CY, ... in registers (at most ``cpt`` of them); the plan picks CY = ceil(C /
-cpt) and as many pixel packs per CTA as keep it near ``TILE_THREADS`` threads and within what the
-kernel's registers allow; a C too large for that has no plan (the caller takes another route).
-channels_last data is the row norm on the (N * S, C) view, not this family.
+Two forwards. Thin tiles (C up to ``THIN_MAX_C``): a thread holds 8 packs of 16 bytes (4 with
+``THIN_CPT4_MAX_C``; 16 single elements when unaligned), a CTA of at most 256 threads sums a column
+by warp shuffles and one pass through shared memory, and many small CTAs share an SM. Register tiles
+(more channels, and the backward): a CTA of (PX, CY) threads owns PX packs of adjacent pixels of one
+sample; thread (tx, ty) keeps the packs of channels ty, ty + CY, ... in registers (at most ``cpt``
+of them); the plan picks CY = ceil(C / cpt) and as many pixel packs per CTA as keep it near
+``TILE_THREADS`` threads and within what the kernel's registers allow; a C too large for that has no
+plan (the caller takes another route). channels_last data is the row norm on the (N * S, C) view,
+not this family.
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ MIN_PX = 4
 #: resident CTAs per SM the backward's grid-stride kernel is launched with, at most
 BWD_CTAS_PER_SM = 4
 
-#: Thin-tile forward (channel_fwd_thin) for C up to this. Expected to win there, not measured
-#: yet: the register tiles ran KernelBench L1-36 (C = 64, fp32) at 67% of copy bandwidth with 96
-#: registers and ~2 CTAs per SM; the thin RMS tile takes 48 registers and ~10 CTAs of 128 threads,
-#: as torch.compile's kernel keeps few values per thread. Measured (H200, 2026-11-27): L1-36
+#: Thin-tile forward (channel_fwd_thin) for C up to this. The register tiles ran KernelBench
+#: L1-36 (C = 64, fp32) at 67% of copy bandwidth with 96 registers and ~2 CTAs per SM; thin tiles
+#: keep few values per thread, as torch.compile's kernel does. Measured (H200, 2026-11-27): L1-36
 #: 5.37 -> 3.98 ms (66% -> 90% of copy bandwidth; torch.compile 4.23 ms in the same run),
 #: LayerNorm2d(96) bf16 64x96x56x56 0.081 -> 0.036 ms (compile 0.071). 256: a CTA of 256
 #: threads of 8 packs. More channels keep the register tiles (their column sums read fewer
