@@ -239,6 +239,43 @@ def test_replace_norms_leaves_other_subclasses_alone_and_says_so():
     assert type(model[2]) is cnt.GroupNorm
 
 
+@pytest.mark.parametrize("bug", [True, False], ids=["torch-pool-bug", "fixed-torch"])
+def test_replace_norms_warns_of_torch_avg_pool_bug(monkeypatch, bug):
+    """A GroupNorm or InstanceNorm (NCHW out under torch, channels_last kept by ours) before a
+    padded AvgPool2d: warned about exactly when the installed torch has the pool's bug."""
+    from cupynorm.torch import convert
+
+    monkeypatch.setattr(convert, "torch_avg_pool_backward_is_wrong", lambda: bug)
+
+    def model(norm: nn.Module, padding: int = 1) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 4, 1), norm, nn.AvgPool2d(3, 1, padding))
+
+    for norm in (nn.GroupNorm(1, 4), nn.InstanceNorm2d(4)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cnt.replace_norms(model(norm))
+        said = [str(w.message) for w in caught if "pytorch/pytorch#188344" in str(w.message)]
+        assert len(said) == int(bug), said
+        if bug:
+            assert "1 such pooling layer(s) and 1 converted" in said[0]
+    quiet = [  # no padding, the norm left to torch, a norm that keeps the layout under torch too
+        (model(nn.GroupNorm(1, 4), padding=0), None),
+        (model(nn.GroupNorm(1, 4)), [nn.GroupNorm]),
+        (model(nn.BatchNorm2d(4)), None),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m, exclude in quiet:
+            cnt.replace_norms(m, exclude=exclude)
+
+
+def test_torch_avg_pool_probe_without_cuda(monkeypatch):
+    from cupynorm.torch import convert
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert convert.torch_avg_pool_backward_is_wrong.__wrapped__() is False
+
+
 def test_replace_norms_include_exclude_cover_subclasses():
     model = nn.Sequential(_TaggedGroupNorm(2, 4), _RewrittenBatchNorm2d(4))
     cnt.replace_norms(model, exclude=[nn.GroupNorm])

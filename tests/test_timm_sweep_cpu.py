@@ -213,3 +213,30 @@ def test_timing_one_graph_at_a_time(monkeypatch: pytest.MonkeyPatch, fail_second
         assert "graph cupynorm: failed" in sweep.table_row(record)
     else:
         assert set(record.graphed_ms) == set(sweep.IMPLS) and record.notes == []
+
+
+def test_accuracy_is_the_mean_of_the_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each error is the mean over the draws; the worst parameter is the worst draw's; the row
+    of a failure replace_norms warned of (torch's pool bug) names it."""
+    seeds = []
+
+    def one_draw(built, options, seed):
+        seeds.append(seed)
+        k = len(seeds)  # 1, 2, 3
+        errors = {
+            f"{kind}_{impl}": 1e-6 * k for kind in ("out", "dx", "pgrad") for impl in sweep.IMPLS
+        }
+        errors["pgrad_cupynorm"] = 1e-5 * (4 - k)  # the first draw is cupynorm's worst
+        return errors, f"param{k}"
+
+    monkeypatch.setattr(sweep, "_errors_of_one_draw", one_draw)
+    record = sweep.ModelRecord("tiny", "tiny")
+    sweep.check_accuracy(sweep.Built(nn.Identity(), nn.Identity(), (3, 8, 8)), record, CPU)
+    assert len(set(seeds)) == sweep.ACCURACY_DRAWS == 3
+    assert record.errors["dx_torch"] == pytest.approx(2e-6)
+    assert record.errors["pgrad_cupynorm"] == pytest.approx(2e-5)
+    assert record.worst_param == "param1"
+    assert record.ok is False  # 2e-5 > 2 x 2e-6 + 1e-6
+    assert sweep._ok_text(record) == "NO"
+    record.warnings = [f"replace_norms: ... ({sweep.TORCH_POOL_BUG}) ..."]
+    assert sweep.TORCH_POOL_BUG in sweep.table_row(record)

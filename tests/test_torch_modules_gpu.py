@@ -503,6 +503,24 @@ def test_replace_norms_cuda_same_outputs_and_grads(channels_last):
         _compare_state(model, ref, torch.float32, model=True)
 
 
+def test_torch_avg_pool_probe_tells_poolformers_fate():
+    """The probe of torch's padded channels_last AvgPool2d backward (pytorch/pytorch#188344)
+    answers for the layer where it hurt: PoolFormer's AvgPool2d(3, 1, 1) after a GroupNorm."""
+    from cupynorm.torch import convert
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 56, 56, device=DEVICE)
+    grad = torch.randn(4, 64, 56, 56, device=DEVICE)
+    pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
+    grads = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xi = x.contiguous(memory_format=fmt).requires_grad_(True)
+        pool(xi).backward(grad.contiguous(memory_format=fmt))
+        grads.append(xi.grad)
+    wrong = not torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    assert convert.torch_avg_pool_backward_is_wrong() is wrong
+
+
 def test_torch_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -42,6 +42,7 @@ reason; so are those of a formula ``include`` does not name.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from collections.abc import Iterable
 
@@ -336,6 +337,57 @@ def _adopted_hf(cls: type, ours: type) -> type:
     return _ADOPTED_HF[key]
 
 
+# cupynorm's norms that keep a channels_last input's memory format where torch's return a
+# contiguous (NCHW) tensor on CUDA: what follows them sees another layout than under torch.
+_LAYOUT_KEEPING = (modules.GroupNorm, modules.InstanceNorm2d, modules.InstanceNorm3d)
+
+
+@functools.cache
+def torch_avg_pool_backward_is_wrong() -> bool:
+    """Whether this torch's CUDA ``avg_pool2d`` backward is wrong for a channels_last input with
+    padding (pytorch/pytorch#188344; torch 2.11 has it): its gradient on a small channels_last
+    tensor against the same on a contiguous one. False without CUDA (the bug is in a CUDA
+    kernel); computed once per process."""
+    if not torch.cuda.is_available():
+        return False
+    x = torch.arange(2 * 5 * 5, dtype=torch.float32, device="cuda").reshape(1, 2, 5, 5)
+    grad = torch.arange(2 * 5 * 5, dtype=torch.float32, device="cuda").reshape(1, 2, 5, 5)
+    args = ([3, 3], [1, 1], [1, 1], False, False, None)  # kernel, stride, padding, ...
+    contiguous = torch.ops.aten.avg_pool2d_backward(grad, x, *args)
+    channels_last = torch.ops.aten.avg_pool2d_backward(
+        grad.contiguous(memory_format=torch.channels_last),
+        x.contiguous(memory_format=torch.channels_last),
+        *args,
+    )
+    return not torch.allclose(contiguous, channels_last.contiguous())
+
+
+def _warn_of_torch_pool_bug(model: torch.nn.Module) -> None:
+    """Warn when a converted norm keeping channels_last may feed torch's padded AvgPool2d whose
+    CUDA backward is then wrong (timm's PoolFormer: GroupNorm -> AvgPool2d(3, 1, 1)): under
+    torch that pool saw the GroupNorm's NCHW output, where the bug does not show."""
+    pools = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.AvgPool2d) and m.padding not in (0, (0, 0))
+    ]
+    norms = sum(isinstance(m, _LAYOUT_KEEPING) for m in model.modules())
+    if not pools or not norms or not torch_avg_pool_backward_is_wrong():
+        return
+    warnings.warn(
+        f"replace_norms: this torch ({torch.__version__}) computes AvgPool2d's backward wrong on "
+        "CUDA for channels_last inputs with padding (pytorch/pytorch#188344), and this model has "
+        f"{len(pools)} such pooling layer(s) and {norms} converted GroupNorm/InstanceNorm "
+        "layer(s), which keep a channels_last input's memory format where torch's return "
+        "contiguous tensors: a pool fed by one gets wrong gradients in a channels_last model. "
+        "Use a torch with the fix, leave these norms to torch "
+        "(replace_norms(model, exclude=[torch.nn.GroupNorm, torch.nn.InstanceNorm2d])), or "
+        "make the pool's input contiguous.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _classes(arg: str, classes: Iterable[type] | None) -> set[type]:
     if classes is None:
         return set()
@@ -458,4 +510,5 @@ def replace_norms(
             UserWarning,
             stacklevel=2,
         )
+    _warn_of_torch_pool_bug(model)
     return model
