@@ -670,6 +670,7 @@ def test_dry_run_leaves_torch_alone(cpu_dry_run, capsys) -> None:
     """The dry run swaps the bench's facade only: torch.cuda's own functions stay torch's."""
     torch = pytest.importorskip("torch")
     cpu_dry_run()
+    torch.cuda.device_count()  # fills torch's own lazy cache (_cached_device_count) first
     before = dict(vars(torch.cuda))
     argv = ["bench", "--quick", "--no-compile", "--reps", "2", "--only", "module_overhead"]
     assert main(argv) == 0, capsys.readouterr().err

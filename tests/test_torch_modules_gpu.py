@@ -514,7 +514,7 @@ def test_torch_avg_pool_probe_tells_poolformers_fate():
     pool = nn.AvgPool2d(3, 1, 1, count_include_pad=False)
     grads = []
     for fmt in (torch.contiguous_format, torch.channels_last):
-        xi = x.contiguous(memory_format=fmt).requires_grad_(True)
+        xi = x.contiguous(memory_format=fmt).detach().requires_grad_(True)
         pool(xi).backward(grad.contiguous(memory_format=fmt))
         grads.append(xi.grad)
     wrong = not torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-6)
