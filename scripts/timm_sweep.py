@@ -60,6 +60,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cupynorm from this checkout
 from cupynorm.bench import timing  # noqa: E402
 from cupynorm.bench.checking import accuracy_ok, max_relative_error  # noqa: E402
+from cupynorm.bench.markdown import TORCH_POOL_BUG  # noqa: E402  (replace_norms' warning names it)
 from cupynorm.bench.run import _error_text  # noqa: E402  ("Type: first line")
 from cupynorm.bench.specs import ModelWorkload  # noqa: E402
 from cupynorm.bench.trainstep import TrainStep, make_batch  # noqa: E402
@@ -112,8 +113,6 @@ SEED = 0
 # the model's largest when that is more: a gradient zero in exact arithmetic (a bias just before a
 # norm) is rounding noise in float64 too (1e-9 to 1e-20 of the largest), its own scale meaningless.
 PARAM_GRAD_FLOOR = 1e-3
-# what replace_norms' warning names when torch's padded channels_last AvgPool2d backward is wrong
-TORCH_POOL_BUG = "pytorch/pytorch#188344"
 ACCURACY_DRAWS = 3  # inputs and projections per model; each error is their mean
 
 _TORCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
@@ -593,6 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.update(cupynorm=cupynorm.__version__, **asdict(options))
     env.update(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     env.update(conversion="fuse" + (" + LayerNorm/RMSNorm" if args.layer_norms else ""))
+    env.update(accuracy_draws=ACCURACY_DRAWS)
     done: list[ModelRecord] = []
     if args.resume and args.json.exists():
         done = [ModelRecord(**r) for r in json.loads(args.json.read_text())["records"]]
