@@ -11,6 +11,8 @@ import gc
 import importlib.util
 import json
 import os
+import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,6 +207,33 @@ def _every_norm_on_the_kernels():
     yield
     _policy.set_compile_kernels(previous[0])
     _policy.set_eager_min_bytes(previous[1])
+
+
+@pytest.fixture(autouse=True)
+def _each_test_draws_its_own_data(request):
+    """Each test starts with the random generators seeded from its own id: torch's (CPU and
+    CUDA), NumPy's global one, and CuPy's where a GPU is there. Its data is then the same
+    whatever ran before it on its worker (the suite runs in random order under xdist; a test
+    that drew without a seed once failed a tolerance on the draw another order gave it) and
+    differs from any other test's. torch's and NumPy's states are restored after the test;
+    CuPy's generator stays as the test left it (it has no state to save)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    numpy = sys.modules.get("numpy")
+    numpy_state = None if numpy is None else numpy.random.get_state()
+    if numpy is not None:
+        numpy.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if "cupy" in sys.modules and cuda_available():
+        sys.modules["cupy"].random.seed(seed)
+    if torch is None:
+        yield
+    else:
+        devices = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+    if numpy_state is not None:
+        numpy.random.set_state(numpy_state)
 
 
 @pytest.fixture(autouse=True)
