@@ -68,9 +68,10 @@ _ROW_NORMS: dict[type[torch.nn.Module], type[torch.nn.Module]] = {
     torch.nn.RMSNorm: modules.RMSNorm,
 }
 _REPLACEMENTS.update(_ROW_NORMS)
-#: Converted only when ``include`` names them: a row norm's training step (forward + backward) is
-#: still slower on cupynorm's kernels than on torch's (LayerNorm bf16 8192x4096 on an H200: 0.21
-#: ms and more against torch's 0.18; benchmarks/RESULTS.md), and the forward alone ~1.07x faster.
+#: Converted only when ``include`` names them: a row norm's forward + backward on cupynorm's
+#: kernels still costs more host time than torch's op (H200, 11-27: LayerNorm bf16 8192x4096
+#: 0.438 ms against torch's 0.183 where the host paces the calls; its kernels' GPU time, 156 µs,
+#: is below torch's 172), and the forward alone is ~1.07x faster (benchmarks/NOTES.md).
 _OPT_IN = frozenset(_ROW_NORMS)
 
 
