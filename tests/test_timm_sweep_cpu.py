@@ -125,6 +125,7 @@ def test_a_failing_model_is_recorded_and_the_sweep_goes_on(
     summary = sweep.summary_line(records)
     assert summary.startswith("2 models: converted fully 1, partly 0, none converted 0")
     assert "failed 1" in summary and "accuracy ok 1 of 1 checked" in summary
+    assert "norm layers converted 1 of 1 (100.0%)" in summary
     env = {"device_name": "cpu", "torch": "t", "timm": "t", "cupynorm": "c", "date": "d"}
     env.update(conversion="fuse", accuracy_batch=2, batch=32)
     table = sweep.markdown(records, env)
@@ -240,3 +241,11 @@ def test_accuracy_is_the_mean_of_the_draws(monkeypatch: pytest.MonkeyPatch) -> N
     assert sweep._ok_text(record) == "NO"
     record.warnings = [f"replace_norms: ... ({sweep.TORCH_POOL_BUG}) ..."]
     assert sweep.TORCH_POOL_BUG in sweep.table_row(record)
+
+
+def test_convert_only_counts_without_checking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sweep, "build_model", _fake_build)
+    options = sweep.SweepOptions(device="cpu", time_steps=False, check=False)
+    (record,) = sweep.sweep([sweep.ModelSpec("tiny", "tiny")], options)
+    assert record.status == "ok" and (record.norm_layers, record.converted) == (1, 1)
+    assert record.ok is None and record.errors == {}
