@@ -160,3 +160,18 @@ def test_sdist_ships_sources(sdist: tarfile.TarFile) -> None:
         assert member in names, f"{member} missing from the sdist"
         extracted = sdist.extractfile(member)
         assert extracted is not None and extracted.read() == path.read_bytes(), member
+
+
+def test_each_test_draws_from_its_own_seed(request) -> None:
+    """conftest's autouse fixture: NumPy's and (where installed) torch's generators start from
+    the test id's CRC-32, whatever ran before on this worker."""
+    import zlib
+
+    import numpy
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    expected = numpy.random.RandomState(seed).random_sample(3)
+    assert (numpy.random.random_sample(3) == expected).all()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        assert torch.initial_seed() == seed
