@@ -104,8 +104,6 @@ def timm_norm_act():
 
 def load_script(name: str):
     """``scripts/<name>.py`` as a module (scripts/ is no package), loaded once per process."""
-    import sys
-
     module_name = f"{name}_script"
     if module_name not in sys.modules:
         path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
