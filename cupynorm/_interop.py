@@ -90,13 +90,12 @@ class TorchBackend:
 
     @staticmethod
     def on_device(xs: list, device_id: int) -> bool:
-        """Whether every tensor of ``xs`` is on CUDA device ``device_id``."""
-        device = xs[0].device
-        return (
-            device.type == "cuda"
-            and device.index == device_id
-            and all(x.device == device for x in xs)
-        )
+        """Whether every tensor of ``xs`` is on CUDA device ``device_id`` (no device objects:
+        two attribute reads per tensor, in C)."""
+        for x in xs:
+            if not x.is_cuda or x.get_device() != device_id:
+                return False
+        return True
 
     @staticmethod
     def strides(x: Any) -> tuple[int, ...]:
@@ -104,7 +103,8 @@ class TorchBackend:
 
     @staticmethod
     def device_id(x: Any) -> int:
-        return x.device.index
+        """The CUDA device index (-1 on the CPU)."""
+        return x.get_device()
 
     def stream(self, device_id: int) -> int:
         """Handle of torch's current stream, read per call: autograd runs backward on another
@@ -236,8 +236,12 @@ class CupyBackend:
 
     @staticmethod
     def on_device(xs: list, device_id: int) -> bool:
-        """Whether every array of ``xs`` is on device ``device_id``."""
-        return all(x.device.id == device_id for x in xs)
+        """Whether every array of ``xs`` is on device ``device_id`` (its memory's device id: an
+        attribute, where ``x.device`` builds a Device object)."""
+        for x in xs:
+            if x.data.device_id != device_id:
+                return False
+        return True
 
     @staticmethod
     def strides(x: Any) -> tuple[int, ...]:
@@ -246,7 +250,7 @@ class CupyBackend:
 
     @staticmethod
     def device_id(x: Any) -> int:
-        return x.device.id
+        return x.data.device_id
 
     def stream(self, device_id: int) -> int:
         return self.cupy.cuda.get_current_stream(device_id).ptr
@@ -274,6 +278,10 @@ class CupyBackend:
         allocate on the current device, without a device context each."""
         cupy = self.cupy
         if method == "empty_like":
+            if like.flags.c_contiguous:
+                # the key fixes the source's shape, dtype and strides: a C-ordered array of that
+                # shape, without empty_like's look at the source's layout (~2 us less per call)
+                return functools.partial(_new_array, cupy.ndarray, like.shape, like.dtype)
             return cupy.empty_like
         if method == "empty_strided":
             shape, strides, dtype = args
@@ -330,6 +338,12 @@ class CupyBackend:
     def mean0(self, x: Any) -> Any:
         with x.device:
             return x.mean(0)
+
+
+def _new_array(ndarray: type, shape: tuple[int, ...], dtype: Any, _source: Any) -> Any:
+    """A replay's ``empty_like(_source)`` for a C-contiguous source (its shape and dtype fixed by
+    the call's key): the array built directly, on the current device."""
+    return ndarray(shape, dtype)
 
 
 _backends: dict[str, Any] = {}

@@ -146,8 +146,9 @@ class _Recording:
                 workspace_bytes += -(-math.prod(shape) * _BYTES[dtype] // _ALIGN) * _ALIGN
                 continue
             where[obj] = (n_inputs + len(allocations), 0)
-            if method == "empty_like":
-                allocations.append((self.bk.allocator(method, (), like), where[args[0]][0]))
+            if method == "empty_like":  # like its source (the allocator may fix its layout)
+                source = self.objects[args[0]]
+                allocations.append((self.bk.allocator(method, (), source), where[args[0]][0]))
             else:
                 allocations.append((self.bk.allocator(method, args, like), None))
         workspace = n_inputs + len(allocations)
