@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check in one command: the README's full test command (what a user runs: CPU and GPU
-# tests together), then a quick bench of the three seed workloads (cupynorm checked against torch
+# The GPU check in one command: the README's test command over every case (`--exhaustive`: the
+# default run samples the parametrized sweeps; CPU and GPU tests together), then a quick bench of the three seed workloads (cupynorm checked against torch
 # eager, then timed beside torch eager and torch.compile; TIMING_ARGS adds bench options, e.g.
 # --no-compile).
 # Runs from the source tree with the machine's python3 (torch + cupy already installed there, and
@@ -16,10 +16,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export CUPY_CACHE_DIR="${CUPY_CACHE_DIR:-/tmp/cupynorm-kernel-cache}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$out/gpu.txt"
-python3 -m pytest -q ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest.log"
+python3 -m pytest -q --exhaustive ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest.log"
 tests_rc=${PIPESTATUS[0]}
 if python3 -c "import random_order" 2>/dev/null; then
-    python3 -m pytest -q -p random_order --random-order ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_random.log"
+    python3 -m pytest -q --exhaustive -p random_order --random-order ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest_random.log"
     tests_rc=$(( tests_rc != 0 || PIPESTATUS[0] != 0 ))
 fi
 python3 -m cupynorm bench --quick --only instancenorm2d_fp32,groupnorm8_fp32,batchnorm2d_train_fp32 \

@@ -1,7 +1,9 @@
 """Shared test helpers: GPU detection, poisoning of the allocator's memory, the replay check of
 every recorded call on a GPU, and the fixtures that send CPU tensors down cupynorm.torch's CUDA
 route onto the reference kernels (``kernels``, ``kernel_path``). Under pytest-xdist: each worker's
-share of the cores (its thread pools), and ``once_per_run`` for work its workers share."""
+share of the cores (its thread pools), and ``once_per_run`` for work its workers share. The
+default run samples the parametrized sweeps; ``--exhaustive`` runs every case
+(:func:`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import fcntl
 import gc
 import importlib.util
 import json
+import math
 import os
 import sys
 import zlib
@@ -80,6 +83,63 @@ def _share_the_cores_between_xdist_workers() -> None:
 
 
 _share_the_cores_between_xdist_workers()
+
+
+# ---- the default run: a sample of every sweep --------------------------------------------------
+# The full grid of the parametrized tests (dtypes x layouts x shapes x forms) takes ~25 minutes on
+# one GPU without xdist; `python -m pytest -q` runs about sqrt(n) of a test's n cases, the same ones
+# every run (chosen by a hash of the test id, so every parameter value has its chance), plus every
+# test of one case, in well under 10 minutes. `--exhaustive` runs all of them, as do
+# scripts/gpu_check.sh and CI; so does a run that names tests (`file::test`) or filters them
+# (`-k`). A test marked `exhaustive` (a long run of its own) runs only then.
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="run every case of the parametrized sweeps and the tests marked exhaustive "
+        "(the default runs about sqrt(n) of a test's n cases)",
+    )
+
+
+def _runs_everything(config: pytest.Config) -> bool:
+    return bool(
+        config.getoption("exhaustive")
+        or config.option.keyword
+        or any("::" in arg for arg in config.args)
+    )
+
+
+def sampled(items: list) -> list:
+    """The default run's share of ``items``: of each test function's n cases those whose id
+    hashes below ceil(sqrt(n)) (at least one), none marked ``exhaustive``."""
+    cases: dict[tuple, list] = {}
+    for item in items:
+        function = getattr(item, "originalname", None) or item.name  # without the parameters
+        cases.setdefault((item.path, function), []).append(item)
+    keep = set()
+    for group in cases.values():
+        group = [item for item in group if item.get_closest_marker("exhaustive") is None]
+        n = len(group)
+        share = math.ceil(math.sqrt(n))
+        chosen = [item for item in group if zlib.crc32(item.nodeid.encode()) % n < share]
+        keep.update(map(id, chosen or group[:1]))
+    return [item for item in items if id(item) in keep]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    if _runs_everything(config):
+        return
+    kept = sampled(items)
+    if len(kept) < len(items):
+        chosen = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in chosen])
+        items[:] = kept
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _runs_everything(config):
+        return "sweeps: every case"
+    return "sweeps: sampled (about sqrt(n) of a test's n cases); --exhaustive runs every case"
 
 
 def cuda_available() -> bool:

@@ -257,6 +257,7 @@ def test_models_dry_run_end_to_end(
         assert all(s["setup_s"] is not None and s["reps"] == train.ROUNDS * 2 for s in compiled)
 
 
+@pytest.mark.exhaustive  # ~25 s; the end-to-end dry run covers the eager mode by default
 def test_models_dry_run_every_mode(
     models_dry_run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
 ) -> None:

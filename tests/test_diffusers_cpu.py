@@ -294,6 +294,7 @@ def tiny_diffusion_rows(monkeypatch: pytest.MonkeyPatch, frozen_heap):
     )
 
 
+@pytest.mark.exhaustive  # ~40 s: both diffusers models through the bench
 def test_diffusion_rows_dry_run(tiny_diffusion_rows, tmp_path: Path, capsys) -> None:
     """Both rows, eager and graphed: built from diffusers' classes, converted (the UNet's 24
     fusions and 18 LayerNorms), timed; the VAE's step is a forward under no_grad; the accuracy

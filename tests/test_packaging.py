@@ -175,3 +175,37 @@ def test_each_test_draws_from_its_own_seed(request) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         assert torch.initial_seed() == seed
+
+
+def test_the_default_run_samples_every_sweep() -> None:
+    """conftest's sample of the parametrized tests: about sqrt(n) of a test's n cases, the same
+    ones every time, at least one per test, and none marked ``exhaustive``."""
+    import math
+    from pathlib import Path
+
+    from conftest import sampled
+
+    class Item:
+        def __init__(self, name: str, case: int | None, exhaustive: bool = False) -> None:
+            self.path, self.originalname = Path("tests/test_x.py"), name
+            self.nodeid = f"tests/test_x.py::{name}" + ("" if case is None else f"[{case}]")
+            self.exhaustive = exhaustive
+
+        def get_closest_marker(self, name: str):
+            return "marked" if name == "exhaustive" and self.exhaustive else None
+
+    items = [Item("test_grid", i) for i in range(400)] + [Item("test_pair", i) for i in range(2)]
+    items += [Item("test_one", None), Item("test_long", None, exhaustive=True)]
+    kept = sampled(items)
+    assert [i.nodeid for i in kept] == [i.nodeid for i in sampled(items)]
+    grid = [i for i in kept if i.originalname == "test_grid"]
+    assert 0.5 * math.sqrt(400) <= len(grid) <= 2 * math.sqrt(400)
+    assert [i.originalname for i in kept if i.originalname != "test_grid"] == [
+        "test_pair",
+        "test_pair",
+        "test_one",
+    ]
+    # a sweep whose hash picks none still runs one case
+    few = [Item(f"test_rare_{k}", i) for k in range(30) for i in range(7)]
+    by_test = {i.originalname for i in sampled(few)}
+    assert by_test == {f"test_rare_{k}" for k in range(30)}

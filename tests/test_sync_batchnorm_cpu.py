@@ -27,6 +27,9 @@ def results(tmp_path_factory):
     return once_per_run(tmp_path_factory, "sync_batchnorm", lambda folder: run_cases(WORLD, folder))
 
 
+# one spawn of three processes for all cases (~2 minutes on one GPU machine without xdist);
+# tests/test_sync_batchnorm_gpu.py spawns its own by default
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sync_batchnorm_distributed(results, case):
     for rank, per_case in enumerate(results):
