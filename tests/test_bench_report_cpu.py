@@ -270,8 +270,10 @@ def test_report_renders_the_per_call_tables(tmp_path: Path, capsys) -> None:
         cells.update(cupy_by_hand_gpu_us=304.8, torch_tensor_us=torch_us, torch_own_us=torch_us)
         return cells
 
+    parts = dict(call_us=16.0, key_us=2.0, allocations_us=2.5, launches_us=4.5, rest_us=7.0,
+                 allocations=1, launches=1)  # fmt: skip
     full = {"setup": "GPU X, CuPy 14", "date": "2026-11-27T06:48:00+00:00",
-            "rows": [row("group_norm(x, 8)", 21.3)]}  # fmt: skip
+            "rows": [{**row("group_norm(x, 8)", 21.3), "cupy_parts": parts}]}  # fmt: skip
     alone = {"setup": "GPU X, CuPy 14", "rows": [row("group_norm(x, 8)", None)]}
     files = [
         _write(tmp_path, "m.json", _model_run()),
@@ -289,6 +291,13 @@ def test_report_renders_the_per_call_tables(tmp_path: Path, capsys) -> None:
         "| group_norm(x, 8) | 8x64x32x32 | 16.5 | 21.3 | - | 21.3 | - | 21.1 | 304.8 |" in section
     )
     assert "| group_norm(x, 8) | 8x64x32x32 | 16.5 | - | - | - | - | 21.1 | 304.8 |" in section
+    # the breakdown: only where a file has one (the CuPy array's parts here, no torch parts)
+    assert section.count("| call | input (fp32) | array | call | key + lookup |") == 1
+    assert (
+        "| group_norm(x, 8) | 8x64x32x32 | CuPy array | 16.0 | 2.0 | 2.5 | 4.5 | 7.0 | 1 | 1 |"
+        in (section)
+    )
+    assert "| torch tensor |" not in section
 
 
 @pytest.mark.parametrize(

@@ -36,3 +36,10 @@ def test_profile_calls_measures_every_case(tmp_path, capsys) -> None:
         assert (row["torch_own_us"] is not None) == has_torch
         with_module = has_torch and not row["call"].startswith("layer_norm2d")
         assert (row["module_us"] is not None) == with_module
+        # the breakdown of the replayed call: every piece timed, counted from its program
+        assert (row.get("torch_parts") is not None) == has_torch
+        for parts in (row["cupy_parts"], row.get("torch_parts") or row["cupy_parts"]):
+            assert parts["launches"] >= 1 and parts["allocations"] >= 1, row["call"]
+            for key in ("call_us", "key_us", "allocations_us", "launches_us"):
+                assert parts[key] > 0, (row["call"], key)
+    assert "| call | input (fp32) | array | call | key + lookup |" in out

@@ -409,7 +409,7 @@ def _two_gpu_section(results: Results) -> list[str]:
 
 
 def _calls_section(results: Results) -> list[str]:
-    from .profile.calls import table
+    from .profile.calls import parts_table, table
 
     lines = [
         "## Per call: the public functional",
@@ -428,6 +428,17 @@ def _calls_section(results: Results) -> list[str]:
             else ""
         )
         lines += ["", f"{data['setup']}{date} ({source}):", "", table(data["rows"])]
+        parts = parts_table(data["rows"])
+        if parts:
+            lines += [
+                "",
+                "Where a replayed call's host µs go: the call (blocks of 100 calls, host side), "
+                "its key and lookup, its outputs' allocations and its launches (host side), each "
+                "timed alone on the call's own recorded program; rest: the Python between them "
+                "(the public function, the replay's checks, the pointer table).",
+                "",
+                parts,
+            ]
     return lines
 
 

@@ -14,6 +14,12 @@ For each public function, on a small input (host-paced: the GPU time is a few µ
 
 Each cupynorm result is first compared with the hand-written CuPy norm (and torch's call). Runs
 without torch (CuPy columns only) and without JAX; needs a CUDA GPU.
+
+Where a replayed call's host µs go (the second table, CuPy arrays and torch tensors): the call key
+and its lookup, the outputs' allocations, the launches (host side: blocks of calls too short to
+fill the launch queue, so the GPU never paces them) and the rest (the Python between them: the
+public function, the replay's checks, the pointer table), each timed alone on the call's own
+recorded program.
 """
 
 from __future__ import annotations
@@ -200,7 +206,90 @@ def _row(case: Case, size: int, torch: Any, jnp: Any, calls: int) -> dict[str, A
     if jnp is not None:
         xj = jnp.asarray(cupy.asnumpy(a))
         row["jax_us"] = host_us(lambda: case.call(xj), max(20, calls // 4), sync)
+    row["cupy_parts"] = host_parts(case.call, a, calls, sync)
+    if torch is not None:
+        row["torch_parts"] = host_parts(case.call, torch.from_dlpack(a), calls, sync)
     return row
+
+
+def replayed_op(call: Callable[[Any], Any], x: Any) -> tuple[Any, tuple]:
+    """(the recorded op, its arguments) that the public call ``call(x)`` replays: the
+    functional's replay entry watched for one call."""
+    from cupynorm import functional
+
+    seen: list[tuple[Any, tuple]] = []
+    replayed = functional._replayed
+
+    def watch(op: Any, *args: Any) -> Any:
+        seen.append((op, args))
+        return replayed(op, *args)
+
+    functional._replayed = watch
+    try:
+        call(x)
+    finally:
+        functional._replayed = replayed
+    return seen[0]
+
+
+def _blocks_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """µs per call of `fn`, host side only: blocks of 100 calls (too few to fill the launch
+    queue), synchronized between blocks outside the clock; the median block."""
+    for _ in range(20):
+        fn()
+    sync()
+    blocks = []
+    for _ in range(max(5, calls // 100)):
+        started = time.perf_counter()
+        for _ in range(100):
+            fn()
+        blocks.append((time.perf_counter() - started) / 100 * 1e6)
+        sync()
+    return sorted(blocks)[len(blocks) // 2]
+
+
+def host_parts(
+    call: Callable[[Any], Any], x: Any, calls: int, sync: Callable[[], None]
+) -> dict[str, Any]:
+    """Where the host µs of a replayed ``call(x)`` go: the call itself, its key and lookup, its
+    allocations, its launches (host side), and how many of each (see the module's doc)."""
+    from cupynorm import _program
+
+    op, args = replayed_op(call, x)
+    bk, key, tensors, pointers, program = _program._lookup(op.__name__, args, {})
+    if type(program) is not _program._Program or _program.CHECKED not in program.validated:
+        raise RuntimeError(f"{op.__name__}: the call is not replayed")
+    device = key[2]
+
+    def allocate() -> list:
+        objects = list(tensors)
+        for make, like in program.allocations:
+            objects.append(make() if like is None else make(objects[like]))
+        return objects
+
+    objects = allocate()  # one set of outputs, launched on again and again
+    table = bk.pointers(objects)
+    table += [table[source] + offset for source, offset in program._offsets]
+    table += program._constants
+    stream = bk.stream(device)
+    launches = [(launcher, grid, block, smem, gather(table)) for launcher, grid, block, smem,
+                gather in program._go]  # fmt: skip
+
+    def launch() -> None:
+        for launcher, grid, block, smem, arguments in launches:
+            launcher.launch(grid, block, smem, stream, arguments)
+
+    parts = {
+        "call_us": _blocks_us(lambda: call(x), calls, sync),
+        "key_us": _blocks_us(lambda: _program._lookup(op.__name__, args, {}), calls, sync),
+        "allocations_us": _blocks_us(allocate, calls, sync),
+        "launches_us": _blocks_us(launch, calls, sync),
+        "allocations": len(program.allocations),
+        "launches": len(launches),
+    }
+    pieces = parts["key_us"] + parts["allocations_us"] + parts["launches_us"]
+    parts["rest_us"] = parts["call_us"] - pieces
+    return parts
 
 
 COLUMNS = {
@@ -247,8 +336,34 @@ def measure(calls: int) -> tuple[str, list[dict[str, Any]]]:
     return f"{name}, {', '.join(versions)}", rows
 
 
+PARTS_COLUMNS = {
+    "call_us": "call",
+    "key_us": "key + lookup",
+    "allocations_us": "allocations",
+    "launches_us": "launches (host)",
+    "rest_us": "rest",
+    "allocations": "allocations (count)",
+    "launches": "launches (count)",
+}
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     return format_table(list(COLUMNS.values()), [[r[k] for k in COLUMNS] for r in rows], left=2)
+
+
+def parts_table(rows: list[dict[str, Any]]) -> str:
+    """Where a call's host µs go, per array type (rows measured before the breakdown have
+    none: an empty string)."""
+    lines = []
+    for row in rows:
+        for array, key in (("CuPy array", "cupy_parts"), ("torch tensor", "torch_parts")):
+            parts = row.get(key)
+            if parts:
+                lines.append([row["call"], row["shape"], array, *(parts[k] for k in PARTS_COLUMNS)])
+    if not lines:
+        return ""
+    columns = ["call", "input (fp32)", "array", *PARTS_COLUMNS.values()]
+    return format_table(columns, lines, left=3)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +374,11 @@ def run(args: argparse.Namespace) -> int:
         "one call's kernels (events around each call)"
     )
     print(table(rows))
+    print(
+        "\nWhere a replayed call's host µs go (each piece timed alone on the call's own program, "
+        "blocks of 100 calls; rest: the Python between the pieces):"
+    )
+    print(parts_table(rows))
     if args.json:
         date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         with open(args.json, "w") as f:
