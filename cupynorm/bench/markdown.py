@@ -433,9 +433,10 @@ def _calls_section(results: Results) -> list[str]:
             lines += [
                 "",
                 "Where a replayed call's host µs go: the call (blocks of 100 calls, host side), "
-                "its key and lookup, its outputs' allocations and its launches (host side), each "
-                "timed alone on the call's own recorded program; rest: the Python between them "
-                "(the public function, the replay's checks, the pointer table).",
+                "its key and lookup, its outputs' allocations, its launches (host side: the "
+                "allocations and launches together less the allocations alone), each timed on "
+                "the call's own recorded program; rest: the Python between them (the public "
+                "function, the replay's checks, the device and stream).",
                 "",
                 parts,
             ]
