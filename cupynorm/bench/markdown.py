@@ -328,7 +328,13 @@ def _model_section(results: Results) -> list[str]:
         "torch's ms / cupynorm's in the same mode. Host µs/norm layer (eager): the time to issue "
         "a step less that of the same model with its norm layers removed, per norm layer "
         "(forward + backward). Peak MiB (eager): what a step allocates at its peak beyond what "
-        "was allocated before it (activations, saved tensors, gradients). Before timing, each "
+        "was allocated before it (activations, saved tensors, gradients); a fused BatchNorm + "
+        "add + ReLU keeps the ReLU's mask, one bit per element (resnet50's few MiB more), and a "
+        "step's peak often sits in the convolutions, whose cuDNN workspaces differ from run to "
+        "run (SD's VAE decode: the convolutions' allocations alive at the peak, 1,793 MiB with "
+        "cupynorm's norms against 1,537 with torch's, the norms holding nothing there; the same "
+        "two models peak at 1,410 and 2,049 MiB in a process of their own, benchmarks/NOTES.md"
+        "). Before timing, each "
         "row's output and input gradient in fp32 are "
         "checked against torch in float64 (cupynorm within 2x torch's error).",
         "",
