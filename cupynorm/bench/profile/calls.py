@@ -375,8 +375,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(table(rows))
     print(
-        "\nWhere a replayed call's host µs go (each piece timed alone on the call's own program, "
-        "blocks of 100 calls; rest: the Python between the pieces):"
+        "\nWhere a replayed call's host µs go (each piece timed on the call's own program in "
+        "blocks of 100 calls; launches: with fresh outputs, less the allocations; rest: the "
+        "Python between the pieces):"
     )
     print(parts_table(rows))
     if args.json:
