@@ -515,7 +515,9 @@ def _timm_section(results: Results) -> list[str]:
         "output, input gradient and worst parameter gradient checked against torch in float64 "
         "(batch 4, channels_last, TF32 off; ok: cupynorm within 2x torch's error + 1e-6), and "
         "its training step timed (batch 32, bf16 autocast, channels_last, SGD; ms torch / "
-        "cupynorm, vs torch) eager and captured whole in a CUDA graph. The PoolFormer failures "
+        "cupynorm, vs torch) eager and captured whole in a CUDA graph. The eager ratio carries "
+        "the host's noise: families that convert nothing (the same model twice) spread "
+        "0.83-1.23x eager and 0.99-1.00x graphed (benchmarks/NOTES.md). The PoolFormer failures "
         f"are torch's own: its CUDA AvgPool2d backward is wrong for a padded channels_last input "
         f"({TORCH_POOL_BUG}, torch 2.11), which cupynorm's GroupNorm hands it where torch's "
         "GroupNorm returns NCHW; `replace_norms` warns of it (README, Limits).",
