@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check in one command: the README's test command over every case (`--exhaustive`: the
-# default run samples the parametrized sweeps; CPU and GPU tests together), then a quick bench of the three seed workloads (cupynorm checked against torch
-# eager, then timed beside torch eager and torch.compile; TIMING_ARGS adds bench options, e.g.
-# --no-compile).
+# default run samples the parametrized sweeps; CPU and GPU tests together), then a quick bench of
+# the three seed workloads (cupynorm checked against torch eager, then timed beside torch eager
+# and torch.compile; TIMING_ARGS adds bench options, e.g. --no-compile).
 # Runs from the source tree with the machine's python3 (torch + cupy already installed there, and
 # the `test` extra: the packaging test builds the wheel with hatchling and no network).
 # With pytest-random-order installed, the suite runs a second time in random order (test
