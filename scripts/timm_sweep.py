@@ -18,7 +18,7 @@ deterministic), in training mode (BatchNorm on batch statistics). Then:
   warned of (torch's own AvgPool2d bug, ``TORCH_POOL_BUG``) says so.
 - timing (CUDA, not with ``--no-time``): the bench's ``TrainStep`` (forward, cross-entropy on
   random labels, backward, SGD) at ``--batch``, bf16 autocast, channels_last. Eager: median of
-  15 steps, torch's and cupynorm's alternated in rounds. Graphed: the whole step captured in one
+  40 steps, torch's and cupynorm's alternated in rounds. Graphed: the whole step captured in one
   CUDA graph and replayed, one graph alive at a time (``train.ONE_GRAPH_AT_A_TIME``).
 
 A model's failure is recorded (stage, exception, first line) and the sweep goes on; no model
@@ -104,8 +104,10 @@ FAMILIES = [ModelSpec(*item.split("=")) for item in _FAMILY_MODELS.split()]
 
 # Timing: steps per round x rounds (torch's and cupynorm's eager steps alternate between rounds:
 # a host's speed drifts within a run, see cupynorm.bench.train.ROUNDS), warm-up steps before.
+# Eager steps of a small net are host-paced and noisy: with 3 rounds (15 steps each) models that
+# convert nothing, the same model on both sides, measured 0.83-1.23x (benchmarks/NOTES.md).
 STEPS_PER_ROUND = 5
-ROUNDS = 3
+ROUNDS = 8
 WARMUP_STEPS = 3
 GRAPH_WARMUP_STEPS = 3  # eager steps on a side stream before the capture
 IMPLS = ("torch", "cupynorm")
@@ -602,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     env.update(cupynorm=cupynorm.__version__, **asdict(options))
     env.update(date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     env.update(conversion="fuse" + (" + LayerNorm/RMSNorm" if args.layer_norms else ""))
-    env.update(accuracy_draws=ACCURACY_DRAWS)
+    env.update(accuracy_draws=ACCURACY_DRAWS, eager_steps=ROUNDS * STEPS_PER_ROUND)
     done: list[ModelRecord] = []
     if args.resume and args.json.exists():
         done = [ModelRecord(**r) for r in json.loads(args.json.read_text())["records"]]

@@ -397,7 +397,10 @@ def test_report_renders_the_timm_sweep(tmp_path: Path, capsys) -> None:
     }  # fmt: skip
     assert main(["report", _write(tmp_path, "timm.json", sweep)]) == 0
     section = _section(capsys.readouterr().out, "## timm")
-    assert "(timm.json); conversion: fuse; errors: mean of 1 draw(s); 1 families not" in section
+    assert (
+        "(timm.json); conversion: fuse; errors: mean of 1 draw(s); eager: median of 15 steps; "
+        "1 families not" in section
+    )
     rows = {row[0]: row for row in _rows(section).values()}
     assert set(rows) == {"`convnextv2_atto`", "`poolformerv2_s12`", "`broken`"}
     assert rows["`convnextv2_atto`"][2:] == [

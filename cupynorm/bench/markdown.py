@@ -544,7 +544,8 @@ def _timm_section(results: Results) -> list[str]:
         setup = (f"{env.get('device_name', '-')}, torch {env.get('torch', '-')}, timm "
                  f"{env.get('timm', '-')}, {env.get('date', '-')} ({source}); conversion: "
                  f"{env.get('conversion', 'fuse')}; errors: mean of "
-                 f"{env.get('accuracy_draws', 1)} draw(s); {skipped} families not reached in the "
+                 f"{env.get('accuracy_draws', 1)} draw(s); eager: median of "
+                 f"{env.get('eager_steps', 15)} steps; {skipped} families not reached in the "
                  "run's time:")  # fmt: skip
         lines += ["", setup, "", *_table(columns, rows, left=2)]
     return lines
