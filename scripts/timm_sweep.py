@@ -27,7 +27,7 @@ markdown) are rewritten. After a sticky CUDA error the script restarts itself wi
 
     PYTHONPATH=$PWD python scripts/timm_sweep.py --json timm_sweep.json --markdown timm_sweep.md
 
-(H200: ~200 s with ``--no-time`` for 83 families, ~10 s a family more with timing;
+(H200: ~200 s with ``--no-time`` for 83 families, ~10 s a family more with 15 timed steps;
 ``--models resnet18,vit_tiny_patch16_224``: those alone; without a GPU,
 ``--device cpu --no-time --accuracy-batch 2``: cupynorm's modules run torch's ops there, so
 this checks the names, the conversion and the bookkeeping; ``--convert-only``: the conversion

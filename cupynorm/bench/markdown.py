@@ -328,13 +328,11 @@ def _model_section(results: Results) -> list[str]:
         "torch's ms / cupynorm's in the same mode. Host µs/norm layer (eager): the time to issue "
         "a step less that of the same model with its norm layers removed, per norm layer "
         "(forward + backward). Peak MiB (eager): what a step allocates at its peak beyond what "
-        "was allocated before it (activations, saved tensors, gradients); a fused BatchNorm + "
-        "add + ReLU keeps the ReLU's mask, one bit per element (resnet50's few MiB more), and a "
-        "step's peak often sits in the convolutions, whose cuDNN workspaces differ from run to "
-        "run (SD's VAE decode: the convolutions' allocations alive at the peak, 1,793 MiB with "
-        "cupynorm's norms against 1,537 with torch's, the norms holding nothing there; the same "
-        "two models peak at 1,410 and 2,049 MiB in a process of their own, benchmarks/NOTES.md"
-        "). Before timing, each "
+        "was allocated before it (activations, saved tensors, gradients). Where cupynorm's is "
+        'higher, benchmarks/NOTES.md ("Peak memory") measures why: a fused BatchNorm + add + '
+        "ReLU keeps the ReLU's mask, one bit per element (resnet50); a step's peak may sit in "
+        "the convolutions, whose cuDNN workspaces differ from process to process (SD's VAE "
+        "decode: no norm allocation alive at its peak). Before timing, each "
         "row's output and input gradient in fp32 are "
         "checked against torch in float64 (cupynorm within 2x torch's error).",
         "",
@@ -440,9 +438,10 @@ def _calls_section(results: Results) -> list[str]:
                 "",
                 "Where a replayed call's host µs go: the call (blocks of 100 calls, host side), "
                 "its key and lookup, its outputs' allocations, its launches (host side: the "
-                "allocations and launches together less the allocations alone), each timed on "
-                "the call's own recorded program; rest: the Python between them (the public "
-                "function, the replay's checks, the device and stream).",
+                "program's run less its allocations; in the files of 2026-11-27 the launches and "
+                "their pointer table alone, the device and stream, ~0.6 µs, counted in rest), "
+                "each timed on the call's own recorded program; rest: the Python between them "
+                "(the public function, the replay's checks).",
                 "",
                 parts,
             ]

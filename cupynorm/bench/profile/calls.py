@@ -18,9 +18,9 @@ without torch (CuPy columns only) and without JAX; needs a CUDA GPU.
 Where a replayed call's host µs go (the second table, CuPy arrays and torch tensors), each timed on
 the call's own recorded program in blocks of calls too short to fill the launch queue (so the GPU
 never paces them): the call key and its lookup, the outputs' allocations, the launches (the
-allocations and launches timed together, less the allocations alone: a replay's kernels are
-given fresh outputs, as some count in a zeroed buffer) and the rest (the Python between them: the
-public function, the replay's checks, the device and stream).
+recorded program's run less its allocations: the launches with their pointer table, the device
+and the stream) and the rest (the Python between them: the public function, the replay's
+checks).
 """
 
 from __future__ import annotations
@@ -268,17 +268,6 @@ def host_parts(
             objects.append(make() if like is None else make(objects[like]))
         return objects
 
-    stream = bk.stream(device)
-
-    def allocate_and_launch() -> None:
-        # fresh outputs each time, as a replay: a kernel may count in a zeroed buffer it is given
-        objects = allocate()
-        table = bk.pointers(objects)
-        table += [table[source] + offset for source, offset in program._offsets]
-        table += program._constants
-        for launcher, grid, block, smem, gather in program._go:
-            launcher.launch(grid, block, smem, stream, gather(table))
-
     parts = {
         "call_us": _blocks_us(lambda: call(x), calls, sync),
         "key_us": _blocks_us(lambda: _program._lookup(op.__name__, args, {}), calls, sync),
@@ -286,9 +275,11 @@ def host_parts(
         "allocations": len(program.allocations),
         "launches": len(program._go),
     }
-    both = _blocks_us(allocate_and_launch, calls, sync)
-    parts["launches_us"] = both - parts["allocations_us"]
-    parts["rest_us"] = parts["call_us"] - parts["key_us"] - both
+    # the replay itself (fresh outputs each time: a kernel may count in a zeroed buffer it is
+    # given), less its allocations
+    replay = _blocks_us(lambda: program.run(bk, device, tensors, pointers), calls, sync)
+    parts["launches_us"] = replay - parts["allocations_us"]
+    parts["rest_us"] = parts["call_us"] - parts["key_us"] - replay
     return parts
 
 
@@ -376,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows))
     print(
         "\nWhere a replayed call's host µs go (each piece timed on the call's own program in "
-        "blocks of 100 calls; launches: with fresh outputs, less the allocations; rest: the "
+        "blocks of 100 calls; launches: the program's run less its allocations; rest: the "
         "Python between the pieces):"
     )
     print(parts_table(rows))
