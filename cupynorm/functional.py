@@ -124,9 +124,18 @@ def _row_norm_call(x, residual, normalized_shape, weight, bias, eps, rms):
 
 @_programmed
 def _channel_norm_call(x, weight, bias, eps, rms):
+    """(y,); or (y's rows, None) where the kernels normalize x as the rows of its (N, *spatial,
+    C) view (channels_last): a replay hands back its allocations, and the caller views them
+    (:func:`_channel_output`)."""
     if eps is None:
         eps = _machine_eps(x)
-    return _ops.channel_norm_fwd(x, weight, bias, eps, rms, want_stats=False)[:1]
+    rows = _ops.takes_rows(x)
+    y = _ops.channel_norm_fwd(x, weight, bias, eps, rms, want_stats=False, rows_out=rows)[0]
+    return (y, None) if rows else (y,)
+
+
+def _channel_output(outputs: tuple) -> Any:
+    return outputs[0] if len(outputs) == 1 else _ops.to_channels(outputs[0])
 
 
 def group_norm(
@@ -526,7 +535,7 @@ def _channel_norm(x: Any, weight: Any, bias: Any, eps: float | None, rms: bool) 
     """The shared path of layer_norm2d and rms_norm2d."""
     out = _replayed(_channel_norm_call, x, weight, bias, eps, rms)
     if out is not None:
-        return out[0]
+        return _channel_output(out)
     if _is_foreign(x):
         w, b = (_to_cupy(t) if _is_foreign(t) else t for t in (weight, bias))
         return _from_cupy(_channel_norm(_to_cupy(x), w, b, eps, rms), x)
@@ -539,7 +548,7 @@ def _channel_norm(x: Any, weight: Any, bias: Any, eps: float | None, rms: bool) 
         if rms:
             return cn_torch.rms_norm2d(x, weight, eps=eps)
         return cn_torch.layer_norm2d(x, weight, bias, eps=eps)
-    return checked(_channel_norm_call, x, weight, bias, eps, rms)[0]
+    return _channel_output(checked(_channel_norm_call, x, weight, bias, eps, rms))
 
 
 def layer_norm2d(input: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Any:

@@ -296,6 +296,17 @@ def test_cupy_arrays(layout):
     tx, tw = torch.from_dlpack(x), torch.from_dlpack(w)
     close(torch.from_dlpack(out), reference(tx, tw, None, False, 1e-5), 1e-4)
     close(torch.from_dlpack(rms), reference(tx, tw, None, True, 1e-6), 1e-4)
+    # a second call of the same signature is replayed (channels_last: the recorded rows, viewed)
+    x2 = cupy.multiply(x, -0.5, out=cupy.empty_like(x))
+    out2 = cupynorm.layer_norm2d(x2, w)
+    assert out2.strides == x.strides and out2.data.ptr != out.data.ptr
+    close(torch.from_dlpack(out2), reference(torch.from_dlpack(x2), tw, None, False, 1e-5), 1e-4)
+    t2 = torch.from_dlpack(x2)
+    with torch.no_grad():
+        outs = [cupynorm.rms_norm2d(t2, tw, 1e-6) for _ in range(2)]  # recorded, replayed
+    for o in outs:
+        assert o.stride() == t2.stride()
+        close(o, reference(t2, tw, None, True, 1e-6), 1e-4)
 
 
 # ---- backward --------------------------------------------------------------------------------

@@ -68,6 +68,27 @@ def test_a_checked_call_is_replayed_without_the_checks(lean, name) -> None:
     assert second.data_ptr() != first.data_ptr()  # a new output
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm2d", "rms_norm2d"])
+def test_a_channels_last_channel_norm_is_replayed(lean, rms) -> None:
+    """On channels_last input the kernels normalize the rows of the (N, *spatial, C) view: the
+    recorded call hands back those rows and the public function views them as x's layout, so
+    that call is replayed too (a view is no allocation a replay can make)."""
+    log, _backend, checks = lean
+    norm = cupynorm.rms_norm2d if rms else cupynorm.layer_norm2d
+    x = torch.rand(2, 8, 3, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.rand(8)
+    first = norm(x, w)
+    recorded, n_checks = list(log), len(checks)
+    del log[:]
+    x2 = torch.rand_like(x)
+    second = norm(x2, w)
+    assert len(checks) == n_checks  # no checks: replayed
+    assert _kernels(log) == _kernels(recorded)
+    assert x2.data_ptr() in {a for *_k, args in log for a in args}
+    assert second.shape == x.shape and second.stride() == first.stride() == x.stride()
+    assert second.data_ptr() != first.data_ptr()
+
+
 def test_a_call_on_another_device_takes_the_full_path(lean, monkeypatch) -> None:
     _log, backend, checks = lean
     x = torch.rand(2, 8, 3, 5)

@@ -20,7 +20,7 @@ docs/internal-api.md for the contract.
 """
 
 from .batch_norm import batch_norm_act_bwd, batch_norm_bwd, batch_norm_fwd
-from .channel_norm import channel_norm_bwd, channel_norm_fwd
+from .channel_norm import channel_norm_bwd, channel_norm_fwd, takes_rows, to_channels
 from .group_norm import group_norm_act_bwd, group_norm_bwd, group_norm_fwd
 from .row_norm import row_norm_add_mul_bwd, row_norm_add_mul_fwd, row_norm_bwd, row_norm_fwd
 from .sync_batch_norm import (
@@ -47,4 +47,6 @@ __all__ = [
     "sync_batch_norm_bwd_dx",
     "sync_batch_norm_merge_apply",
     "sync_batch_norm_rows",
+    "takes_rows",
+    "to_channels",
 ]

@@ -47,6 +47,24 @@ def _channel_fits(x: Any, param: Any, C: int, backward: bool) -> bool:
     return fits
 
 
+def _as_rows(layout: str, spatial: tuple[int, ...]) -> bool:
+    """Whether x is normalized as the rows of its (N, *spatial, C) view."""
+    return layout == "channels_last" or _plan.prod(spatial) == 1
+
+
+def takes_rows(x: Any) -> bool:
+    """Whether :func:`channel_norm_fwd` normalizes x as the rows of its (N, *spatial, C) view
+    (channels_last, or one position per sample): its ``rows_out`` y is then those rows."""
+    bk = _interop.backend_of(x)
+    layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
+    return _as_rows(layout, tuple(x.shape[2:]))
+
+
+def to_channels(t: Any) -> Any:
+    """The (N, C, *spatial) view of rows t (N, *spatial, C)."""
+    return _to_channels(t)
+
+
 def channel_norm_fwd(
     x: Any,
     weight: Any,
@@ -56,6 +74,7 @@ def channel_norm_fwd(
     *,
     want_stats: bool = True,
     out_dtype: str | None = None,
+    rows_out: bool = False,
 ) -> tuple:
     """(y, mean, rstd) of LayerNorm (``rms=False``) or RMSNorm over dim 1 of x (N, C, *spatial).
 
@@ -63,13 +82,15 @@ def channel_norm_fwd(
     (N, *spatial) in the accumulator's dtype; mean None for RMSNorm, both None without
     ``want_stats``. weight/bias: (C,) or None. ``out_dtype``: as row_norm_fwd's (y in float32
     beside a half-precision x: read as is on channels_last data, a float32 copy otherwise).
+    ``rows_out``: where :func:`takes_rows`, y as the rows it was written as (N, *spatial, C),
+    not its (N, C, *spatial) view (a recorded call's outputs are its allocations).
     """
     bk = _interop.backend_of(x)
     layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
     N, C, spatial = x.shape[0], x.shape[1], tuple(x.shape[2:])
     if layout == "other":
         x = bk.contiguous(x)
-    if layout == "channels_last" or _plan.prod(spatial) == 1:
+    if _as_rows(layout, spatial):
         # keyword arguments as a row norm's call passes them (a replay of these rows builds
         # its key: cupynorm/torch/_replay.py)
         extra = {"out_dtype": out_dtype} if out_dtype else {}
@@ -77,7 +98,8 @@ def channel_norm_fwd(
         y, _sum, mean, rstd = row_norm_fwd(_to_rows(x), None, weight, bias, C, eps, rms,
                                            want_stats=want_stats, **extra)
         # fmt: on
-        y = _to_channels(y)
+        if not rows_out:
+            y = _to_channels(y)
     else:
         if out_dtype not in (None, bk.dtype_name(x)):  # the channels family: on a float32 copy
             x = bk.astype(x, out_dtype)
