@@ -103,6 +103,8 @@ def _module(
 # attribute numbers of CUDA's driver API (CUfunction_attribute in cuda.h)
 _MAX_THREADS_PER_BLOCK = 0
 _SHARED_SIZE_BYTES = 1
+_LOCAL_SIZE_BYTES = 3
+_NUM_REGS = 4
 _MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CUDA_ERROR_INVALID_CONTEXT = 201
 #: cuLaunchCooperativeKernel: the grid cannot be resident at once
@@ -156,6 +158,7 @@ class Launcher:
 
     __slots__ = (
         "function",
+        "name",
         "device_id",
         "ptr",
         "cooperative",
@@ -168,9 +171,15 @@ class Launcher:
     )
 
     def __init__(
-        self, function: Any, device_id: int, codes: str, cooperative: bool = False
+        self,
+        function: Any,
+        device_id: int,
+        codes: str,
+        cooperative: bool = False,
+        name: str = "",
     ) -> None:
         self.function = function  # keeps the module (and so the function pointer) alive
+        self.name = name  # the kernel's and its element types' (the bench's kernel table)
         self.device_id = device_id
         self.cooperative = cooperative
         self.ptr = function.ptr
@@ -283,7 +292,9 @@ def launcher(
     if name == MEMSET:
         return Memset()
     function = get_kernel(device_id, name, kernel, dtype, param_dtype, out_dtype)
-    return Launcher(function, device_id, codes, cooperative=name == COOPERATIVE_SOURCE)
+    types = "/".join([dtype, *(t for t in (param_dtype, out_dtype) if t and t != dtype)])
+    cooperative = name == COOPERATIVE_SOURCE
+    return Launcher(function, device_id, codes, cooperative, f"{kernel}<{types}>")
 
 
 @functools.cache
@@ -315,6 +326,43 @@ def resident_ctas(
     kernel variant an SM holds at once (registers, shared memory and thread limits)."""
     function = get_kernel(device_id, name, kernel, dtype, param_dtype, out_dtype)
     return max(1, _driver().occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, threads, smem))
+
+
+class recorded_launches:
+    """Context manager: every kernel launch made inside, in order, as (launcher, grid, block,
+    dynamic shared memory bytes) in the list it returns (the bench's kernel table; a memset is
+    left out). The launch is swapped on the class for the duration: nothing on the hot path."""
+
+    def __enter__(self) -> list[tuple[Launcher, Any, tuple, int]]:
+        self.launches: list[tuple[Launcher, Any, tuple, int]] = []
+        self.original = launch = Launcher.launch
+        record = self.launches.append
+
+        def recording(launcher, grid, block, smem, stream, args):
+            record((launcher, grid, block, smem))
+            launch(launcher, grid, block, smem, stream, args)
+
+        Launcher.launch = recording  # type: ignore[method-assign]
+        return self.launches
+
+    def __exit__(self, *exc: object) -> None:
+        Launcher.launch = self.original  # type: ignore[method-assign]
+
+
+def launch_attributes(launcher: Launcher, block: tuple[int, ...], smem: int) -> dict[str, int]:
+    """A launch's kernel attributes: registers per thread, local memory per thread (spills),
+    static shared memory per CTA, and how many CTAs of ``block`` threads and ``smem`` dynamic
+    shared memory bytes an SM holds at once."""
+    driver, ptr = _driver(), launcher.ptr
+    threads = 1
+    for b in block:
+        threads *= b
+    return {
+        "registers": driver.funcGetAttribute(_NUM_REGS, ptr),
+        "local_bytes": driver.funcGetAttribute(_LOCAL_SIZE_BYTES, ptr),
+        "static_smem_bytes": driver.funcGetAttribute(_SHARED_SIZE_BYTES, ptr),
+        "ctas_per_sm": driver.occupancyMaxActiveBlocksPerMultiprocessor(ptr, threads, smem),
+    }
 
 
 def switch_device(device_id: int) -> int | None:

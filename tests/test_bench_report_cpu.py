@@ -207,6 +207,45 @@ def test_report_renders_every_group(tmp_path: Path, capsys) -> None:
     assert rows["torch SyncBatchNorm"][-2] == "1.00x"
 
 
+def test_report_renders_the_kernels_each_row_launched(tmp_path: Path, capsys) -> None:
+    run = _kernel_run()
+    launch = {
+        "name": "bn_stats<float32>",
+        "grid": [148, 2],
+        "block": [256],
+        "dynamic_smem_bytes": 1024,
+        "registers": 40,
+        "local_bytes": 0,
+        "static_smem_bytes": 2048,
+        "ctas_per_sm": 6,
+        "occupancy": 0.75,
+        "waves": 0.25,
+        "us": 12.34,
+    }
+    ours = run["workloads"][0]["impls"][2]
+    ours["kernels"] = [launch, {**launch, "name": "bn_apply<float16/float32>", "us": None}]
+    out = tmp_path / "RESULTS.md"
+    assert main(["report", "--markdown", str(out), _write(tmp_path, "k.json", run)]) == 0
+    page = out.read_text()
+    section = page[page.index("### The kernels of each row") :]
+    section = section[: section.find("\n## ")]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    rows = _table_cells("\n".join(lines))[2:]
+    assert rows == [
+        ["batchnorm2d_train_fp32", "`bn_stats<float32>`", "148x2", "256", "40", "0", "3.0",
+         "6 (75%)", "0.25", "12.3"],
+        ["batchnorm2d_train_fp32", "`bn_apply<float16/float32>`", "148x2", "256", "40", "0",
+         "3.0", "6 (75%)", "0.25", "-"],
+    ]  # fmt: skip
+
+    # a file without kernel lists renders no such table
+    plain = tmp_path / "plain.md"
+    source = _write(tmp_path, "p.json", _kernel_run())
+    assert main(["report", "--markdown", str(plain), source]) == 0
+    assert "### The kernels of each row" not in plain.read_text()
+    capsys.readouterr()
+
+
 def test_report_sync_rows_of_two_world_sizes_each_against_its_own_torch(
     tmp_path: Path, capsys
 ) -> None:

@@ -86,3 +86,14 @@ def test_sources_found_in_checkout() -> None:
     directory = _compile.source_dir()
     for name in _compile.SOURCE_FILES:
         assert (directory / name).is_file()
+
+
+def test_recorded_launches_records_the_launches_inside_and_forwards_them(monkeypatch) -> None:
+    made = []
+    monkeypatch.setattr(_compile.Launcher, "launch", lambda self, *args: made.append(args))
+    launcher = object.__new__(_compile.Launcher)
+    with _compile.recorded_launches() as launches:
+        launcher.launch((4, 2), (128,), 512, 7, (1, 2))
+    launcher.launch(1, (32,), 0, 7, ())  # after: launched, not recorded
+    assert launches == [(launcher, (4, 2), (128,), 512)]
+    assert made == [((4, 2), (128,), 512, 7, (1, 2)), (1, (32,), 0, 7, ())]

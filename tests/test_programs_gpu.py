@@ -335,3 +335,31 @@ def test_replayed_group_and_row_norm_steps_are_the_full_paths_bit_for_bit(case, 
         outputs = [replayed(x, *extra) for _ in range(2)]  # the full path, then the replay
     for a, b in zip(*(o if isinstance(o, tuple) else (o,) for o in outputs), strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_the_bench_table_of_a_calls_kernels() -> None:
+    """`bench --json`'s kernel table: every launch of a call, with its kernel's attributes and
+    its GPU time found in the profiler."""
+    from types import SimpleNamespace
+
+    import cupynorm.torch as cnt
+    from cupynorm.bench.run import _launched_kernels
+
+    norm = cnt.GroupNorm(8, 64).cuda()
+    x = torch.randn(4, 64, 32, 32, device="cuda", requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        return torch.autograd.grad(norm(x), (x, *norm.parameters()), dy)
+
+    previous = cnt.set_eager_min_bytes(0)
+    try:
+        step()
+        kernels = _launched_kernels(step, SimpleNamespace(backward=True))
+    finally:
+        cnt.set_eager_min_bytes(previous)
+    assert len(kernels) >= 2  # forward and backward
+    for k in kernels:
+        assert k["name"].endswith("<float32>") and k["registers"] > 0, k
+        assert k["ctas_per_sm"] >= 1 and 0 < k["occupancy"] <= 1 and k["waves"] > 0, k
+        assert k["us"] is not None and k["us"] > 0, k

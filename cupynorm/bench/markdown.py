@@ -259,6 +259,46 @@ def _kernel_section(results: Results) -> list[str]:
         "",
         *_table(columns, rows, left=3),
         *notes.lines(),
+        *_launch_section(results),
+    ]
+
+
+def _launch_section(results: Results) -> list[str]:
+    """The kernels each row's cupynorm call launched (rows of files that carry them)."""
+    rows = []
+    for name, (_source, row) in results.kernels.items():
+        for k in _impl(row, "cupynorm").get("kernels") or ():
+            waves, occupancy = k.get("waves"), k.get("occupancy")
+            rows.append(
+                [
+                    name,
+                    f"`{k['name']}`",
+                    "x".join(str(g) for g in k["grid"]),
+                    "x".join(str(b) for b in k["block"]),
+                    str(k["registers"]),
+                    str(k["local_bytes"]),
+                    _number((k["static_smem_bytes"] + k["dynamic_smem_bytes"]) / 1024, ".1f"),
+                    f"{k['ctas_per_sm']} ({occupancy:.0%})" if occupancy is not None else "-",
+                    _number(waves, ".2f"),
+                    _number(k.get("us"), ".1f"),
+                ]
+            )
+    if not rows:
+        return []
+    columns = ("workload", "kernel", "grid", "block", "registers", "spill B", "smem KiB",
+               "CTAs per SM (threads)", "waves", "GPU µs")  # fmt: skip
+    return [
+        "",
+        "### The kernels of each row",
+        "",
+        "cupynorm's launches in one call of the row, in order (`python -m cupynorm bench --json`"
+        " records them): the kernel with its element types (input / parameters / output where "
+        "they differ), grid and block, registers and local memory (spills) per thread, shared "
+        "memory per CTA (static + dynamic), the CTAs an SM holds at once (and the share of the "
+        "SM's threads they are), the grid in waves of those over every SM, and the kernel's GPU "
+        "time (torch.profiler, one call, L2 not flushed).",
+        "",
+        *_table(columns, rows, left=2),
     ]
 
 

@@ -183,6 +183,7 @@ def results_to_json(
                     "compile_s": impl.compile_s,
                     "peak_extra_bytes": impl.peak_extra_bytes,
                     "error": impl.error,
+                    **({} if impl.kernels is None else {"kernels": impl.kernels}),
                 }
             )
         workloads.append(

@@ -36,6 +36,8 @@ class ImplResult:
     compile_s: float | None = None
     peak_extra_bytes: int | None = None
     error: str | None = None
+    # cupynorm only: the kernels one call launched (bench.run._launched_kernels)
+    kernels: list[dict] | None = None
 
 
 @dataclass

@@ -216,6 +216,49 @@ def _measure(
     return result
 
 
+def _launched_kernels(step: Callable[[], object], workload: Workload) -> list[dict]:
+    """cupynorm's kernels in one call of ``step``, in launch order: name (with its element
+    types), grid and block, dynamic shared memory, the kernel's registers and spills per
+    thread, the CTAs an SM holds (occupancy: the share of the SM's threads they are) and the
+    grid's waves of them over the GPU, and the kernel's GPU µs (torch.profiler; None where its
+    name is not found)."""
+    import torch
+
+    from cupynorm import _compile
+
+    properties = torch.cuda.get_device_properties(timing.cuda.device())
+    with torch.set_grad_enabled(workload.backward):
+        with _compile.recorded_launches() as launches, timing.cuda.profile() as profiler:
+            step()
+            timing.cuda.synchronize()
+    events = timing.cuda.kernel_events(profiler)
+    kernels, seen = [], 0
+    for launcher, grid, block, smem in launches:
+        attributes = _compile.launch_attributes(launcher, block, smem)
+        threads = math.prod(block)
+        ctas = math.prod(grid) if type(grid) is tuple else grid
+        resident = attributes["ctas_per_sm"]
+        us = None
+        kernel = launcher.name.split("<")[0]
+        for i in range(seen, len(events)):
+            if events[i][0] == kernel:
+                us, seen = events[i][1], i + 1
+                break
+        kernels.append(
+            {
+                "name": launcher.name,
+                "grid": list(grid) if type(grid) is tuple else [grid],
+                "block": list(block),
+                "dynamic_smem_bytes": smem,
+                **attributes,
+                "occupancy": resident * threads / properties.max_threads_per_multi_processor,
+                "waves": ctas / (resident * properties.multi_processor_count) if resident else None,
+                "us": us,
+            }
+        )
+    return kernels
+
+
 def _time_safely(
     impl: str,
     make_step: Callable[[], Callable[[], object]],
@@ -236,6 +279,11 @@ def _time_safely(
         result = _measure(step, workload, context, impl)
         if impl == IMPL_COMPILE:
             result.compile_s = first_call_s
+        if impl == IMPL_CUPYNORM:
+            try:
+                result.kernels = _launched_kernels(step, workload)
+            except Exception as exc:  # noqa: BLE001 - the table is extra: the row stands
+                _progress(f"    the kernel table failed: {_error_text(exc)}")
         return result
     except Exception as exc:  # noqa: BLE001 - any failure of one implementation is reported
         message = _error_text(exc)
