@@ -2,9 +2,8 @@
 // gradients' partial rows shared by every row and channel norm backward:
 //   short rows (whole packs of 16 bytes, at most 128 of them: 1024 bf16 values), forward and
 //     backward, a group of 4 to 32 lanes of a warp per row;
-//   longer rows (129 to 1024 packs), the backward in one pass, a CTA per row. Their forward stays
-//     on segment_norm.cu (two register-held forwards measured slower than its shared-memory one,
-//     below), as do rows that are not whole packs and rows longer than a CTA's registers.
+//   longer rows (129 to 1024 packs), forward and backward (in one pass), a CTA per row. Rows
+//     that are not whole packs and rows longer than a CTA's registers stay on segment_norm.cu.
 // The module variant with OUT_T = float beside SCALAR_T = half_t / bf16_t is LayerNorm under
 // autocast (torch's policy: the norm in float32, y float32): short rows read x in its own type,
 // write y (and read dy) in float and write dx in x's type, where a float32 copy of x each way
@@ -18,12 +17,11 @@
 //             dweight[i] = sum over rows of dy_i * xhat_i (CAST: of round(xhat_i)),
 //             dbias[i] = sum over rows of dy_i
 //
-// Forward of long rows, tried here and measured slower than segment_norm.cu's CTA per row staged
-// through shared memory (LayerNorm / RMSNorm bf16 8192x4096 on an H200: 52 / 42 us, floor 32): a
-// CTA of 256 threads per row with the next row's loads in flight (63.5 / 48.5 us: three block
-// barriers per row, three CTAs per SM) and a warp per row with 16 packs per lane (75 / 54 us: 255
-// registers, eight warps per SM). Registers hold less data in flight than shared memory's cp.async
-// staging (NOTES.md).
+// Forward of long rows, tried here before and measured slower than segment_norm.cu's CTA per row
+// (LayerNorm / RMSNorm bf16 8192x4096 on an H200: 52 / 42 us, floor 32): a persistent CTA of 256
+// threads per row with the next row's loads in flight (63.5 / 48.5 us: 77 registers, three CTAs
+// per SM) and a warp per row with 16 packs per lane (75 / 54 us: 255 registers). What won: no
+// persistence, no prefetch, small CTAs (row_fwd_cta below).
 //
 // Backward of long rows: a CTA of T <= 256 threads per row, thread t holding packs t, t + T, ... of
 // x and dy (its weight-gradient sums must stay few per thread), the two row sums one block
@@ -191,6 +189,118 @@ ROW_BWD_ENTRY(row_norm_bwd_4, 4, false)
 ROW_BWD_ENTRY(row_norm_bwd_cast_1, 1, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_2, 2, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_4, 4, true)
+
+// ---- longer rows: a CTA per row, held in registers ------------------------------------------
+// Rows of 129 to 1024 packs: a CTA of T threads per row (the fewest that hold it at 4 packs each:
+// 64 for 256 packs), thread t holding packs t, t + T, ... (at most PACKS) of x in registers; the
+// statistics as the short rows' (two passes over the registers relative to the row's first value),
+// the sums over the CTA by block_sum. One row per CTA, no persistence: small CTAs, many of them
+// on an SM, keep their loads in flight. Measured against one CTA per row staged through shared
+// memory (segment_norm.cu, the forward of these rows before; a persistent ring there was slower
+// still): LayerNorm / RMSNorm bf16 8192x4096 43.5 / 38.1 us against 53.8 / 43.8 (NOTES.md).
+template <int PACKS, bool RMS, bool CAST>
+__device__ __forceinline__ void row_fwd_cta(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, out_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
+    int64 rows, int row_len, acc_t eps) {
+    constexpr int V = VEC;
+    __shared__ acc_t scratch[33];
+    const int64 row = blockIdx.x;
+    const int packs = row_len / V;
+    const int64 base = row * row_len;
+    Pack<V> v[PACKS], r[PACKS];
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {  // every load issued before any is used
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p < packs) {
+            v[k] = load_pack<V>(x + base, p);
+            if (residual != nullptr) r[k] = load_pack<V>(residual + base, p);
+        }
+    }
+    if (residual != nullptr) {
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            const int p = threadIdx.x + k * blockDim.x;
+            if (p >= packs) continue;
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                v[k].v[j] = from_acc<scalar_t>(to_acc(v[k].v[j]) + to_acc(r[k].v[j]));
+            store_pack<V>(sum_out + base, p, v[k]);
+        }
+    }
+    const acc_t L = acc_t(row_len);
+    acc_t shift = 0, rel_mean = 0;
+    if (!RMS) {
+        // the row's first value (the sum's): thread 0 holds it
+        if (threadIdx.x == 0) scratch[32] = to_acc(v[0].v[0]);
+        __syncthreads();
+        shift = scratch[32];
+        acc_t s = 0;
+#pragma unroll
+        for (int k = 0; k < PACKS; ++k) {
+            if (threadIdx.x + k * blockDim.x >= packs) continue;
+#pragma unroll
+            for (int j = 0; j < V; ++j) s += to_acc(v[k].v[j]) - shift;
+        }
+        rel_mean = block_sum(s, scratch) / L;
+    }
+    acc_t q = 0;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        if (threadIdx.x + k * blockDim.x >= packs) continue;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const acc_t d = (to_acc(v[k].v[j]) - shift) - rel_mean;
+            q += d * d;
+        }
+    }
+    q = block_sum(q, scratch);
+    const acc_t mean = shift + rel_mean, rstd = rsqrt_acc(q / L + eps);
+    if (threadIdx.x == 0) {
+        if (mean_out != nullptr) mean_out[row] = mean;
+        if (rstd_out != nullptr) rstd_out[row] = rstd;
+    }
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        const int p = threadIdx.x + k * blockDim.x;
+        if (p >= packs) continue;
+        acc_t w[V], b[V];
+        load_row_params<V>(weight, p * V, acc_t(1), w);
+        OutPack<V> out;
+        if (CAST) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd));
+                out.v[j] = from_acc<out_t>(w[j] * xhat);
+            }
+        } else {
+            load_row_params<V>(bias, p * V, acc_t(0), b);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                out.v[j] = from_acc<out_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
+        }
+        store_pack<V>(y + base, p, out);
+    }
+}
+
+#define ROW_FWD_CTA_ENTRY(NAME, PACKS, RMS, CAST)                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                     \
+        const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                 \
+        scalar_t* __restrict__ sum_out, out_t* __restrict__ y,                                 \
+        const param_t* __restrict__ weight, const param_t* __restrict__ bias,                  \
+        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len,           \
+        acc_t eps) {                                                                           \
+        row_fwd_cta<PACKS, RMS, CAST>(x, residual, sum_out, y, weight, bias, mean, rstd, rows, \
+                                      row_len, eps);                                           \
+    }
+#define ROW_FWD_CTA_ALL(PACKS)                                                                  \
+    ROW_FWD_CTA_ENTRY(row_norm_fwd_cta_layer_##PACKS, PACKS, false, false)                      \
+    ROW_FWD_CTA_ENTRY(row_norm_fwd_cta_rms_##PACKS, PACKS, true, false)                        \
+    ROW_FWD_CTA_ENTRY(row_norm_fwd_cta_rms_cast_##PACKS, PACKS, true, true)
+ROW_FWD_CTA_ALL(1)
+ROW_FWD_CTA_ALL(2)
+ROW_FWD_CTA_ALL(4)
 
 // ---- short rows: a group of LANES lanes of a warp per row -------------------------------------
 // Rows of at most SHORT_PACKS * LANES packs (LANES = 4, 8, 16, 32): a LayerNorm2d over 96 channels

@@ -567,7 +567,8 @@ extern "C" __global__ void segment_norm_bwd_instance(
 // bias indexed by position in the row, optionally after a residual add s = x + residual (s is
 // written out and normalized).
 //
-// Rows of 32 to 2048 aligned packs run on row_norm.cu (held in registers); the rest here.
+// Aligned rows of whole packs, up to 1024 of them, run on row_norm.cu (held in registers); the
+// rest here.
 // Forward, rows a team holds on chip: segment_norm_fwd with the ROW epilogue (one read, one
 // write): segment_norm_fwd_layer / segment_norm_fwd_rms. Longer rows: the strided rows statistics
 // (strided_norm.cu), segment_norm_rms_rstd for RMS, then segment_norm_apply_rows.

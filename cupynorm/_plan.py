@@ -375,6 +375,23 @@ class RowBwdPlan:
     threads: int
 
 
+#: rows of 129 to 1024 whole packs: the forward on a CTA per row in registers
+#: (row_norm_fwd_cta_*), else one CTA per row staged through shared memory (segment_norm_fwd_*)
+ROW_FWD_CTA = True
+ROW_FWD_PACKS = 4  # packs per thread of the forward's CTA, at most (its PACKS template values)
+
+
+def plan_row_fwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | None:
+    """The forward's CTA per row for the rows plan_row_bwd takes: the fewest threads that hold
+    the row at ROW_FWD_PACKS packs each (small CTAs: more rows in flight per SM); or None."""
+    if not ROW_FWD_CTA or plan_row_bwd(row_len, itemsize, aligned) is None:
+        return None
+    packs = row_len // vec_width(itemsize)
+    threads = round_up(-(-packs // ROW_FWD_PACKS), 32)
+    per_thread = -(-packs // threads)
+    return RowBwdPlan(next(p for p in ROW_BWD_PACKS if p >= per_thread), threads)
+
+
 @functools.cache
 def plan_row_bwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | None:
     """The one-pass backward's plan for rows of ``row_len``, or None when it does not take them

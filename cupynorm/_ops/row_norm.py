@@ -126,6 +126,16 @@ def _row_norm_fwd(
             _scalar(call.acc, eps)))
         # fmt: on
         return y, total, mean, rstd
+    cta = _plan.plan_row_fwd(D, call.itemsize, aligned)
+    if cta is not None:  # a CTA per row, in registers (row_norm.cu)
+        kind = "rms_cast" if cast else "rms" if rms else "layer"
+        # fmt: off
+        call.launch(_ROWS, f"row_norm_fwd_cta_{kind}_{cta.packs}", rows, (cta.threads,), (
+            call.ptr(x), call.ptr(residual), call.ptr(total), call.ptr(y), call.ptr(weight),
+            call.ptr(bias), call.ptr(mean), call.ptr(rstd), np.int64(rows), np.int32(D),
+            _scalar(call.acc, eps)))
+        # fmt: on
+        return y, total, mean, rstd
     assert call.out_dtype is None, "row_norm_fwd planned a mixed output off the short rows"
     kernel = "segment_norm_fwd_rms" if rms else "segment_norm_fwd_layer"
     if cast:
