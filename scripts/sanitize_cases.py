@@ -113,9 +113,10 @@ def main() -> None:
             out, m, r = _ops.row_norm_add_mul_fwd(a, b, 1e-5)
             close(out, (F.layer_norm(a.float(), shape[-1:]) + b.float()) * b.float(), tol * 3)
             _ops.row_norm_add_mul_bwd(torch.rand_like(a), a, b, m, r)
-        # LayerNorm / RMSNorm: the one-pass backward in registers (whole packs, several rows per
-        # CTA, a partial warp; four packs per thread), the segment passes (unaligned rows), and
-        # the short-row kernels (a group of lanes per row; rows walked grid-stride, idle groups)
+        # LayerNorm / RMSNorm: the forward and the one-pass backward in registers (whole packs,
+        # several rows per CTA, a partial warp; four packs per thread), the segment passes
+        # (unaligned rows), and the short-row kernels (a group of lanes per row; rows walked
+        # grid-stride, idle groups)
         for shape in ((600, 776), (40, 4104), (9, 1001), (9001, 96), (77, 8), (33, 1024)):
             x, dy = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
             w = torch.rand(shape[-1], device="cuda", dtype=dtype)
@@ -129,6 +130,9 @@ def main() -> None:
                 close(y, ref, tol * 3)
                 _ops.row_norm_bwd(dy, None, x, m, r, w, shape[-1], (True, True, not rms))
                 _ops.row_norm_bwd(dy, x, x, m, r, None, shape[-1], (True, False, False))
+                # the residual add: the sum written, then normalized
+                y, total, _, _ = _ops.row_norm_fwd(x, dy, w, None, shape[-1], 1e-5, rms)
+                close(total, x + dy, tol)
             if dtype in (torch.float16, torch.bfloat16):  # float32 y / dy (autocast): short
                 # rows in one pass, others through the float32 copies
                 wf = w.float()
