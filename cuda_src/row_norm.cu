@@ -190,80 +190,53 @@ ROW_BWD_ENTRY(row_norm_bwd_cast_1, 1, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_2, 2, true)
 ROW_BWD_ENTRY(row_norm_bwd_cast_4, 4, true)
 
-// ---- longer rows: a CTA per row, held in registers ------------------------------------------
-// Rows of 129 to 1024 packs: a CTA of T threads per row (the fewest that hold it at 4 packs each:
-// 64 for 256 packs), thread t holding packs t, t + T, ... (at most PACKS) of x in registers; the
-// statistics as the short rows' (two passes over the registers relative to the row's first value),
-// the sums over the CTA by block_sum. One row per CTA, no persistence: small CTAs, many of them
-// on an SM, keep their loads in flight. Measured against one CTA per row staged through shared
-// memory (segment_norm.cu, the forward of these rows before; a persistent ring there was slower
-// still): LayerNorm / RMSNorm bf16 8192x4096 43.5 / 38.1 us against 53.8 / 43.8 (NOTES.md).
-template <int PACKS, bool RMS, bool CAST>
-__device__ __forceinline__ void row_fwd_cta(
-    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
-    scalar_t* __restrict__ sum_out, out_t* __restrict__ y, const param_t* __restrict__ weight,
-    const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
-    int64 rows, int row_len, acc_t eps) {
+// ---- forwards of rows held in registers: what the CTA per row and the short rows share ---------
+// A thread holds packs first, first + step, ... (below `packs`) of its row, at most PACKS of them;
+// the statistics are two passes over the registers relative to the row's first value (the
+// formulas of segment_norm.cu's row section), the sums over the row by the caller's reduction.
+template <int PACKS>
+__device__ __forceinline__ void held_add_residual(Pack<VEC> (&v)[PACKS], const Pack<VEC> (&r)[PACKS],
+                                                  scalar_t* __restrict__ sum_row, int first,
+                                                  int step, int packs) {
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        const int p = first + k * step;
+        if (p >= packs) continue;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j)
+            v[k].v[j] = from_acc<scalar_t>(to_acc(v[k].v[j]) + to_acc(r[k].v[j]));
+        store_pack<VEC>(sum_row, p, v[k]);
+    }
+}
+
+// This thread's part of sum (x - shift) (SQUARES false) or of sum ((x - shift) - rel_mean)^2.
+template <int PACKS, bool SQUARES>
+__device__ __forceinline__ acc_t held_sum(const Pack<VEC> (&v)[PACKS], int first, int step,
+                                          int packs, acc_t shift, acc_t rel_mean = 0) {
+    acc_t s = 0;
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        if (first + k * step >= packs) continue;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            const acc_t d = SQUARES ? (to_acc(v[k].v[j]) - shift) - rel_mean
+                                    : to_acc(v[k].v[j]) - shift;
+            s += SQUARES ? d * d : d;
+        }
+    }
+    return s;
+}
+
+// y of the held packs: xhat * weight + bias, or (CAST) round(weight * round(xhat)).
+template <int PACKS, bool CAST>
+__device__ __forceinline__ void held_write(const Pack<VEC> (&v)[PACKS], out_t* __restrict__ y_row,
+                                           const param_t* __restrict__ weight,
+                                           const param_t* __restrict__ bias, acc_t mean,
+                                           acc_t rstd, int first, int step, int packs) {
     constexpr int V = VEC;
-    __shared__ acc_t scratch[33];
-    const int64 row = blockIdx.x;
-    const int packs = row_len / V;
-    const int64 base = row * row_len;
-    Pack<V> v[PACKS], r[PACKS];
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {  // every load issued before any is used
-        const int p = threadIdx.x + k * blockDim.x;
-        if (p < packs) {
-            v[k] = load_pack<V>(x + base, p);
-            if (residual != nullptr) r[k] = load_pack<V>(residual + base, p);
-        }
-    }
-    if (residual != nullptr) {
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            const int p = threadIdx.x + k * blockDim.x;
-            if (p >= packs) continue;
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                v[k].v[j] = from_acc<scalar_t>(to_acc(v[k].v[j]) + to_acc(r[k].v[j]));
-            store_pack<V>(sum_out + base, p, v[k]);
-        }
-    }
-    const acc_t L = acc_t(row_len);
-    acc_t shift = 0, rel_mean = 0;
-    if (!RMS) {
-        // the row's first value (the sum's): thread 0 holds it
-        if (threadIdx.x == 0) scratch[32] = to_acc(v[0].v[0]);
-        __syncthreads();
-        shift = scratch[32];
-        acc_t s = 0;
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            if (threadIdx.x + k * blockDim.x >= packs) continue;
-#pragma unroll
-            for (int j = 0; j < V; ++j) s += to_acc(v[k].v[j]) - shift;
-        }
-        rel_mean = block_sum(s, scratch) / L;
-    }
-    acc_t q = 0;
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
-        if (threadIdx.x + k * blockDim.x >= packs) continue;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const acc_t d = (to_acc(v[k].v[j]) - shift) - rel_mean;
-            q += d * d;
-        }
-    }
-    q = block_sum(q, scratch);
-    const acc_t mean = shift + rel_mean, rstd = rsqrt_acc(q / L + eps);
-    if (threadIdx.x == 0) {
-        if (mean_out != nullptr) mean_out[row] = mean;
-        if (rstd_out != nullptr) rstd_out[row] = rstd;
-    }
-#pragma unroll
-    for (int k = 0; k < PACKS; ++k) {
-        const int p = threadIdx.x + k * blockDim.x;
+        const int p = first + k * step;
         if (p >= packs) continue;
         acc_t w[V], b[V];
         load_row_params<V>(weight, p * V, acc_t(1), w);
@@ -280,8 +253,62 @@ __device__ __forceinline__ void row_fwd_cta(
             for (int j = 0; j < V; ++j)
                 out.v[j] = from_acc<out_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
         }
-        store_pack<V>(y + base, p, out);
+        store_pack<V>(y_row, p, out);
     }
+}
+
+// x's packs (and the residual's) loaded, every load issued before any is used.
+template <int PACKS>
+__device__ __forceinline__ void held_load(Pack<VEC> (&v)[PACKS], Pack<VEC> (&r)[PACKS],
+                                          const scalar_t* __restrict__ x_row,
+                                          const scalar_t* __restrict__ residual_row, int first,
+                                          int step, int packs) {
+#pragma unroll
+    for (int k = 0; k < PACKS; ++k) {
+        const int p = first + k * step;
+        if (p < packs) {
+            v[k] = load_pack<VEC>(x_row, p);
+            if (residual_row != nullptr) r[k] = load_pack<VEC>(residual_row, p);
+        }
+    }
+}
+
+// ---- longer rows: a CTA per row, held in registers ------------------------------------------
+// Rows of 129 to 1024 packs: a CTA of T threads per row (the fewest that hold it at 4 packs each:
+// 64 for 256 packs), thread t holding packs t, t + T, ... (at most PACKS) of x in registers, the
+// sums over the CTA by block_sum. One row per CTA, no persistence: small CTAs, many of them on an
+// SM, keep their loads in flight. Measured against one CTA per row staged through shared memory
+// (segment_norm.cu, the forward of these rows before; a persistent ring there was slower still):
+// LayerNorm / RMSNorm bf16 8192x4096 43.5 / 38.1 us against 53.8 / 43.8 (NOTES.md).
+template <int PACKS, bool RMS, bool CAST>
+__device__ __forceinline__ void row_fwd_cta(
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
+    scalar_t* __restrict__ sum_out, out_t* __restrict__ y, const param_t* __restrict__ weight,
+    const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
+    int64 rows, int row_len, acc_t eps) {
+    __shared__ acc_t scratch[33];
+    const int64 row = blockIdx.x, base = row * row_len;
+    const int packs = row_len / VEC, first = threadIdx.x, step = blockDim.x;
+    Pack<VEC> v[PACKS], r[PACKS];
+    held_load<PACKS>(v, r, x + base, residual != nullptr ? residual + base : nullptr, first, step,
+                     packs);
+    if (residual != nullptr) held_add_residual<PACKS>(v, r, sum_out + base, first, step, packs);
+    const acc_t L = acc_t(row_len);
+    acc_t shift = 0, rel_mean = 0;
+    if (!RMS) {
+        if (threadIdx.x == 0) scratch[32] = to_acc(v[0].v[0]);  // the row's first value
+        __syncthreads();
+        shift = scratch[32];
+        rel_mean = block_sum(held_sum<PACKS, false>(v, first, step, packs, shift), scratch) / L;
+    }
+    const acc_t q =
+        block_sum(held_sum<PACKS, true>(v, first, step, packs, shift, rel_mean), scratch);
+    const acc_t mean = shift + rel_mean, rstd = rsqrt_acc(q / L + eps);
+    if (threadIdx.x == 0) {
+        if (mean_out != nullptr) mean_out[row] = mean;
+        if (rstd_out != nullptr) rstd_out[row] = rstd;
+    }
+    held_write<PACKS, CAST>(v, y + base, weight, bias, mean, rstd, first, step, packs);
 }
 
 #define ROW_FWD_CTA_ENTRY(NAME, PACKS, RMS, CAST)                                                \
@@ -320,91 +347,39 @@ __device__ __forceinline__ acc_t group_sum(acc_t v) {
     return v;
 }
 
-// Forward. The formulas of segment_norm.cu's row section: statistics two-pass over the registers,
-// relative to the row's first value (the sum's, with a residual) as there; RMS: mean 0 and the
-// mean square. One row per group, grid = ceil(rows / (SHORT_THREADS / LANES)). A group past the
-// last row still takes part in the shuffles.
+// Forward. One row per group, grid = ceil(rows / (SHORT_THREADS / LANES)), the row sums by
+// group_sum. A group past the last row still takes part in the shuffles (holding no packs).
 template <int LANES, bool RMS, bool CAST>
 __device__ __forceinline__ void row_fwd_short(
     const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,
     scalar_t* __restrict__ sum_out, out_t* __restrict__ y, const param_t* __restrict__ weight,
     const param_t* __restrict__ bias, acc_t* __restrict__ mean_out, acc_t* __restrict__ rstd_out,
     int64 rows, int row_len, acc_t eps) {
-    constexpr int V = VEC;
     const int lane = threadIdx.x % LANES;
     const int64 row = blockIdx.x * static_cast<int64>(SHORT_THREADS / LANES) + threadIdx.x / LANES;
     const bool live = row < rows;
-    const int packs = row_len / V;
+    const int packs = live ? row_len / VEC : 0;  // a dead group holds none
     const int64 base = live ? row * row_len : 0;
-    Pack<V> v[SHORT_PACKS];
-#pragma unroll
-    for (int k = 0; k < SHORT_PACKS; ++k) {
-        const int p = lane + k * LANES;
-        if (live && p < packs) v[k] = load_pack<V>(x + base, p);
-    }
-    if (residual != nullptr) {
-#pragma unroll
-        for (int k = 0; k < SHORT_PACKS; ++k) {
-            const int p = lane + k * LANES;
-            if (!live || p >= packs) continue;
-            const Pack<V> r = load_pack<V>(residual + base, p);
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                v[k].v[j] = from_acc<scalar_t>(to_acc(v[k].v[j]) + to_acc(r.v[j]));
-            store_pack<V>(sum_out + base, p, v[k]);
-        }
-    }
+    Pack<VEC> v[SHORT_PACKS], r[SHORT_PACKS];
+    held_load<SHORT_PACKS>(v, r, x + base, residual != nullptr ? residual + base : nullptr, lane,
+                           LANES, packs);
+    if (residual != nullptr)
+        held_add_residual<SHORT_PACKS>(v, r, sum_out + base, lane, LANES, packs);
     const acc_t L = acc_t(row_len);
     acc_t shift = 0, rel_mean = 0;
     if (!RMS) {
         shift = __shfl_sync(0xffffffffu, live ? to_acc(v[0].v[0]) : acc_t(0), 0, LANES);
-        acc_t s = 0;
-#pragma unroll
-        for (int k = 0; k < SHORT_PACKS; ++k) {
-            if (!live || lane + k * LANES >= packs) continue;
-#pragma unroll
-            for (int j = 0; j < V; ++j) s += to_acc(v[k].v[j]) - shift;
-        }
-        rel_mean = group_sum<LANES>(s) / L;
+        rel_mean = group_sum<LANES>(held_sum<SHORT_PACKS, false>(v, lane, LANES, packs, shift)) / L;
     }
-    acc_t q = 0;
-#pragma unroll
-    for (int k = 0; k < SHORT_PACKS; ++k) {
-        if (!live || lane + k * LANES >= packs) continue;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const acc_t d = (to_acc(v[k].v[j]) - shift) - rel_mean;
-            q += d * d;
-        }
-    }
-    q = group_sum<LANES>(q);
+    const acc_t q =
+        group_sum<LANES>(held_sum<SHORT_PACKS, true>(v, lane, LANES, packs, shift, rel_mean));
     if (!live) return;  // no shuffles below
     const acc_t mean = shift + rel_mean, rstd = rsqrt_acc(q / L + eps);
     if (lane == 0) {
         if (mean_out != nullptr) mean_out[row] = mean;
         if (rstd_out != nullptr) rstd_out[row] = rstd;
     }
-#pragma unroll
-    for (int k = 0; k < SHORT_PACKS; ++k) {
-        const int p = lane + k * LANES;
-        if (p >= packs) continue;
-        acc_t w[V], b[V];
-        load_row_params<V>(weight, p * V, acc_t(1), w);
-        OutPack<V> out;
-        if (CAST) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const acc_t xhat = to_acc(from_acc<scalar_t>((to_acc(v[k].v[j]) - mean) * rstd));
-                out.v[j] = from_acc<out_t>(w[j] * xhat);
-            }
-        } else {
-            load_row_params<V>(bias, p * V, acc_t(0), b);
-#pragma unroll
-            for (int j = 0; j < V; ++j)
-                out.v[j] = from_acc<out_t>((to_acc(v[k].v[j]) - mean) * rstd * w[j] + b[j]);
-        }
-        store_pack<V>(y + base, p, out);
-    }
+    held_write<SHORT_PACKS, CAST>(v, y + base, weight, bias, mean, rstd, lane, LANES, packs);
 }
 
 // The arguments of segment_norm.cu's row forwards, less the team's. Four CTAs per SM (64

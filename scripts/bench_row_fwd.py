@@ -7,9 +7,10 @@ One shot, about two minutes on an H200 (torch.compile's compiles are most of it)
 
 LayerNorm, RMSNorm, residual add + RMSNorm and Hugging Face's LlamaRMSNorm (the cast) forwards
 with ``_plan.ROW_FWD_CTA`` off and on, torch eager and torch.compile of the same beside. Times:
-CUDA events around each call, L2 flushed before each, median of 30 after 3 warm-ups. Both
-kernels' outputs are checked against torch's (max |error| printed; the bound: 2x torch's own
-error against float64 plus one rounding of the output dtype). Percent: of 4.22 TB/s (the H200's
+CUDA events around each call, L2 flushed before each, median of 30 after 3 warm-ups
+(``cupynorm.bench.timing.time_cuda_ms``). Both kernels' outputs are checked against torch's
+(max |error| printed; the bound: 2x torch's own error against float64 plus one rounding of the
+output dtype). Percent: of 4.22 TB/s (the H200's
 copy bandwidth) for x read and y written (with the residual also it read and the sum written).
 """
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import cupynorm.torch as cnt  # noqa: E402
 from cupynorm import _plan, _program  # noqa: E402
+from cupynorm.bench.timing import time_cuda_ms  # noqa: E402
 
 COPY_TBPS = 4.22
 REPS, WARMUP = 30, 3
@@ -35,19 +37,8 @@ _FLUSH = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
 
 def timed(fn) -> float:
-    """Median ms of fn() over REPS calls, the L2 flushed before each."""
-    for _ in range(WARMUP):
-        fn()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(REPS):
-        _FLUSH.zero_()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of fn() over REPS calls, the L2 flushed before each (the bench's method)."""
+    return statistics.median(time_cuda_ms(fn, reps=REPS, warmup=WARMUP, flush_buffer=_FLUSH))
 
 
 def torch_norm(kind, x, r, w, b, width):
