@@ -626,6 +626,33 @@ def test_row_backward_plan():
     assert plan(4096, 2, False) is None and plan(4098, 2, True) is None
 
 
+def test_row_forward_plan():
+    plan, regs = _plan.plan_row_fwd, _plan.RowBwdPlan
+    # the fewest threads that hold the row at 4 packs each (many small CTAs per SM)
+    assert plan(4096, 2, True) == regs(4, 128)  # bf16: 512 packs
+    assert plan(2048, 2, True) == regs(4, 64)
+    assert plan(8192, 2, True) == regs(4, 256)  # 1024 packs: the most a CTA holds
+    assert plan(1032, 2, True) == regs(4, 64)  # 129 packs: two or three a thread
+    assert plan(4104, 2, True) == regs(4, 160)  # 513 packs: a partial last warp
+    assert plan(1024, 2, True) is None  # 128 packs: the short rows' kernels take them
+    assert plan(16384, 2, True) is None  # 2048 packs: shared memory (segment_norm.cu)
+    assert plan(4096, 2, False) is None and plan(4098, 2, True) is None
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add"])
+def test_long_rows_forward_is_a_cta_per_row_in_registers(launches, residual):  # noqa: F811
+    rows, D = 7, 2048  # float32: 512 packs, 128 threads of 4 packs
+    x, w = torch.rand(rows, D), torch.rand(D)
+    r = torch.rand(rows, D) if residual else None
+    y, total, _mean, rstd = _ops.row_norm_fwd(x, r, w, None, D, 1e-5, True)
+    ((kernel, grid, block, _smem, args),) = launches
+    assert kernel == "row_norm_fwd_cta_rms_4" and grid == rows and block == (128,)
+    assert args[8:10] == [rows, D]
+    assert args[1] == (r.data_ptr() if residual else 0)
+    assert args[2] == (total.data_ptr() if residual else 0)
+    assert args[3] == y.data_ptr() and args[7] == rstd.data_ptr()
+
+
 @pytest.mark.parametrize("D", [1001, 100_003])  # not whole packs: the segment kernels
 def test_backward_launches_and_grids(launches, D):  # noqa: F811
     rows = 5
