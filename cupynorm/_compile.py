@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import struct
 import threading
 from pathlib import Path
@@ -354,9 +355,7 @@ def launch_attributes(launcher: Launcher, block: tuple[int, ...], smem: int) -> 
     static shared memory per CTA, and how many CTAs of ``block`` threads and ``smem`` dynamic
     shared memory bytes an SM holds at once."""
     driver, ptr = _driver(), launcher.ptr
-    threads = 1
-    for b in block:
-        threads *= b
+    threads = math.prod(block)
     return {
         "registers": driver.funcGetAttribute(_NUM_REGS, ptr),
         "local_bytes": driver.funcGetAttribute(_LOCAL_SIZE_BYTES, ptr),

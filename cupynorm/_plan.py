@@ -370,7 +370,9 @@ ROW_BWD_MIN_PACKS = SHORT_ROW_MAX_PACKS + 1
 
 
 @dataclass(frozen=True)
-class RowBwdPlan:
+class RowCtaPlan:
+    """A CTA per row held in registers (row_norm.cu's forward and one-pass backward)."""
+
     packs: int  # the kernel's PACKS template value (packs per thread, at most)
     threads: int
 
@@ -381,7 +383,7 @@ ROW_FWD_CTA = True
 ROW_FWD_PACKS = 4  # packs per thread of the forward's CTA, at most (its PACKS template values)
 
 
-def plan_row_fwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | None:
+def plan_row_fwd(row_len: int, itemsize: int, aligned: bool) -> RowCtaPlan | None:
     """The forward's CTA per row for the rows plan_row_bwd takes: the fewest threads that hold
     the row at ROW_FWD_PACKS packs each (small CTAs: more rows in flight per SM); or None."""
     if not ROW_FWD_CTA or plan_row_bwd(row_len, itemsize, aligned) is None:
@@ -389,11 +391,11 @@ def plan_row_fwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | Non
     packs = row_len // vec_width(itemsize)
     threads = round_up(-(-packs // ROW_FWD_PACKS), 32)
     per_thread = -(-packs // threads)
-    return RowBwdPlan(next(p for p in ROW_BWD_PACKS if p >= per_thread), threads)
+    return RowCtaPlan(next(p for p in ROW_BWD_PACKS if p >= per_thread), threads)
 
 
 @functools.cache
-def plan_row_bwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | None:
+def plan_row_bwd(row_len: int, itemsize: int, aligned: bool) -> RowCtaPlan | None:
     """The one-pass backward's plan for rows of ``row_len``, or None when it does not take them
     (unaligned, not whole packs, too short or too long)."""
     vec = vec_width(itemsize)
@@ -405,5 +407,5 @@ def plan_row_bwd(row_len: int, itemsize: int, aligned: bool) -> RowBwdPlan | Non
     for per_thread in ROW_BWD_PACKS:
         threads = round_up(-(-packs // per_thread), 32)
         if threads <= ROW_BWD_THREADS:
-            return RowBwdPlan(per_thread, threads)
+            return RowCtaPlan(per_thread, threads)
     return None

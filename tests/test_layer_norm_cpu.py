@@ -615,7 +615,7 @@ def test_backward_of_whole_packs_is_one_pass_in_registers(launches, rms):  # noq
 
 
 def test_row_backward_plan():
-    plan, regs = _plan.plan_row_bwd, _plan.RowBwdPlan
+    plan, regs = _plan.plan_row_bwd, _plan.RowCtaPlan
     assert plan(4096, 2, True) == regs(2, 256)  # bf16: 512 packs
     assert plan(2048, 2, True) == regs(1, 256)
     assert plan(4096, 4, True) == regs(4, 256)
@@ -627,7 +627,7 @@ def test_row_backward_plan():
 
 
 def test_row_forward_plan():
-    plan, regs = _plan.plan_row_fwd, _plan.RowBwdPlan
+    plan, regs = _plan.plan_row_fwd, _plan.RowCtaPlan
     # the fewest threads that hold the row at 4 packs each (many small CTAs per SM)
     assert plan(4096, 2, True) == regs(4, 128)  # bf16: 512 packs
     assert plan(2048, 2, True) == regs(4, 64)
