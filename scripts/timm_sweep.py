@@ -62,7 +62,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cupynorm from this checkout
 from cupynorm.bench import timing  # noqa: E402
 from cupynorm.bench.checking import accuracy_ok, max_relative_error  # noqa: E402
-from cupynorm.bench.markdown import TORCH_POOL_BUG  # noqa: E402  (replace_norms' warning names it)
+from cupynorm.bench.markdown_training import TORCH_POOL_BUG  # noqa: E402  (replace_norms' warning names it)
 from cupynorm.bench.run import _error_text  # noqa: E402  ("Type: first line")
 from cupynorm.bench.specs import ModelWorkload  # noqa: E402
 from cupynorm.bench.trainstep import TrainStep, make_batch  # noqa: E402

@@ -5,7 +5,9 @@ b.json --only models`, ...), so the page merges any number of files: rows are ke
 name, a later file's row replacing an earlier one's; the header names every GPU, date and version
 the files carry. Files written by scripts/bench_sync_batchnorm.py (the two-GPU SyncBatchNorm
 step) and by `python -m cupynorm profile calls --json` (the public functional's cost per call)
-add a table of their own. Plain data in, text out: nothing here needs torch or a GPU.
+add a table of their own, as do the training runs (convergence, the timm sweep:
+:mod:`.markdown_training`); the cells and tables are :mod:`.mdtable`'s. Plain data in, text out:
+nothing here needs torch or a GPU.
 
     python -m cupynorm bench --json run.json --markdown benchmarks/RESULTS.md
     python -m cupynorm report --markdown benchmarks/RESULTS.md kernels.json models.json sync.json
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .report import format_ms
+from .markdown_training import convergence_section, timm_section
+from .mdtable import Footnotes, fmt_ms, fmt_number, fmt_ratio, impl_of, md_cell, md_table
 
 # What the header reports, in order: (label, keys of the bench JSON's environment).
 _ENVIRONMENT = (
@@ -116,47 +119,6 @@ def load(paths: Sequence[str | Path]) -> Results:
 # ------------------------------------------------------------------------------------------------
 
 
-def _ms(value: Any) -> str:
-    return format_ms(value) if isinstance(value, (int, float)) else "-"
-
-
-def _ratio(value: Any) -> str:
-    return f"{value:.2f}x" if isinstance(value, (int, float)) else "-"
-
-
-def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
-def _table(columns: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> list[str]:
-    """Markdown lines: `left` columns left-aligned, the rest right-aligned."""
-    align = ["---"] * left + ["---:"] * (len(columns) - left)
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join(align) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines
-
-
-class _Footnotes:
-    """Numbered notes under a table: `ref(text)` gives the marker to put in a cell."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-
-    def ref(self, text: str) -> str:
-        if text not in self.texts:
-            self.texts.append(text)
-        return f"[{self.texts.index(text) + 1}]"
-
-    def lines(self) -> list[str]:
-        if not self.texts:
-            return []
-        return [""] + [f"[{i}] {_cell(t)}  " for i, t in enumerate(self.texts, 1)]
-
-
-def _impl(row: dict[str, Any], name: str) -> dict[str, Any]:
-    return next((i for i in row.get("impls") or [] if i.get("impl") == name), {})
-
-
 # ------------------------------------------------------------------------------------------------
 # Sections
 # ------------------------------------------------------------------------------------------------
@@ -191,10 +153,10 @@ def _header(results: Results) -> list[str]:
         if not values:
             continue
         if len(values) == 1:
-            lines.append(f"| {label} | {_cell(next(iter(values)))} |")
+            lines.append(f"| {label} | {md_cell(next(iter(values)))} |")
         else:
             cell = "; ".join(f"{v} ({', '.join(s)})" for v, s in values.items())
-            lines.append(f"| {label} | {_cell(cell)} |")
+            lines.append(f"| {label} | {md_cell(cell)} |")
     if any(run.get("quick") for _source, run in results.runs):
         quick = [s for s, run in results.runs if run.get("quick")]
         lines.append(f"| shapes | `--quick` (smaller batches) in {', '.join(quick)} |")
@@ -204,11 +166,11 @@ def _header(results: Results) -> list[str]:
 
 
 def _kernel_section(results: Results) -> list[str]:
-    notes = _Footnotes()
+    notes = Footnotes()
     rows = []
     for name, (_source, row) in results.kernels.items():
         eager, compiled, ours = (
-            _impl(row, n) for n in ("torch eager", "torch.compile", "cupynorm")
+            impl_of(row, n) for n in ("torch eager", "torch.compile", "cupynorm")
         )
         shape = "x".join(str(d) for d in (row.get("input_shapes") or [[]])[0])
         if row.get("channels_last"):
@@ -220,7 +182,7 @@ def _kernel_section(results: Results) -> list[str]:
         if met is False and row.get("note"):
             status += " " + notes.ref(f"{name}: {row['note']}")
         error = row.get("error") or ours.get("error")
-        cupynorm_ms = _ms(ours.get("ms"))
+        cupynorm_ms = fmt_ms(ours.get("ms"))
         if error:
             cupynorm_ms = "error " + notes.ref(f"{name}: {error}")
         pct = ours.get("pct_of_copy_bandwidth")  # = floor time / cupynorm's time
@@ -229,13 +191,13 @@ def _kernel_section(results: Results) -> list[str]:
                 name,
                 shape or "-",
                 row.get("dtype", "-"),
-                _ms(eager.get("ms")),
-                _ms(compiled.get("ms")) if compiled else "-",
+                fmt_ms(eager.get("ms")),
+                fmt_ms(compiled.get("ms")) if compiled else "-",
                 cupynorm_ms,
-                _ratio(ours.get("speedup_vs_eager")),
-                _ratio(ours.get("speedup_vs_compile")),
-                _number(ours.get("tbps"), ".2f"),
-                _number(pct, ".0f") + ("%" if isinstance(pct, (int, float)) else ""),
+                fmt_ratio(ours.get("speedup_vs_eager")),
+                fmt_ratio(ours.get("speedup_vs_compile")),
+                fmt_number(ours.get("tbps"), ".2f"),
+                fmt_number(pct, ".0f") + ("%" if isinstance(pct, (int, float)) else ""),
                 goal_text,
                 status,
             ]
@@ -257,7 +219,7 @@ def _kernel_section(results: Results) -> list[str]:
         "full shapes, scaled by copy bandwidth on another GPU and by bytes for `--quick` "
         "shapes; `<= eager`: no slower than torch eager's call. `cl`: channels_last.",
         "",
-        *_table(columns, rows, left=3),
+        *md_table(columns, rows, left=3),
         *notes.lines(),
         *_launch_section(results),
     ]
@@ -267,7 +229,7 @@ def _launch_section(results: Results) -> list[str]:
     """The kernels each row's cupynorm call launched (rows of files that carry them)."""
     rows = []
     for name, (_source, row) in results.kernels.items():
-        for k in _impl(row, "cupynorm").get("kernels") or ():
+        for k in impl_of(row, "cupynorm").get("kernels") or ():
             waves, occupancy = k.get("waves"), k.get("occupancy")
             rows.append(
                 [
@@ -277,10 +239,10 @@ def _launch_section(results: Results) -> list[str]:
                     "x".join(str(b) for b in k["block"]),
                     str(k["registers"]),
                     str(k["local_bytes"]),
-                    _number((k["static_smem_bytes"] + k["dynamic_smem_bytes"]) / 1024, ".1f"),
+                    fmt_number((k["static_smem_bytes"] + k["dynamic_smem_bytes"]) / 1024, ".1f"),
                     f"{k['ctas_per_sm']} ({occupancy:.0%})" if occupancy is not None else "-",
-                    _number(waves, ".2f"),
-                    _number(k.get("us"), ".1f"),
+                    fmt_number(waves, ".2f"),
+                    fmt_number(k.get("us"), ".1f"),
                 ]
             )
     if not rows:
@@ -298,12 +260,12 @@ def _launch_section(results: Results) -> list[str]:
         "SM's threads they are), the grid in waves of those over every SM, and the kernel's GPU "
         "time (torch.profiler, one call, L2 not flushed).",
         "",
-        *_table(columns, rows, left=2),
+        *md_table(columns, rows, left=2),
     ]
 
 
 def _model_section(results: Results) -> list[str]:
-    notes = _Footnotes()
+    notes = Footnotes()
     rows = []
     for name, (_source, model) in results.models.items():
         steps = {(s.get("mode"), s.get("impl")): s for s in model.get("steps") or []}
@@ -323,7 +285,7 @@ def _model_section(results: Results) -> list[str]:
         for mode in modes:
             theirs, ours = steps.get((mode, "torch"), {}), steps.get((mode, "cupynorm"), {})
             ratio = ours.get("speedup_vs_torch")
-            torch_ms, cupynorm_ms = _ms(theirs.get("ms")), _ms(ours.get("ms"))
+            torch_ms, cupynorm_ms = fmt_ms(theirs.get("ms")), fmt_ms(ours.get("ms"))
             if theirs.get("error"):
                 torch_ms = "error " + notes.ref(f"{name}, {mode}, torch: {theirs['error']}")
             if ours.get("error"):
@@ -343,7 +305,8 @@ def _model_section(results: Results) -> list[str]:
                 noted = True
             host = [_host(theirs), _host(ours)] if mode == "eager" else ["-", "-"]
             peak = [_peak(theirs), _peak(ours)] if mode == "eager" else ["-", "-"]
-            rows.append([name, mode, torch_ms, cupynorm_ms, _ratio(ratio), *host, *peak, goal_cell])
+            ratio_cell = fmt_ratio(ratio)
+            rows.append([name, mode, torch_ms, cupynorm_ms, ratio_cell, *host, *peak, goal_cell])
         accuracy = model.get("accuracy") or {}
         if accuracy and not accuracy.get("ok", True):
             failure = model.get("failure") or "accuracy check failed"
@@ -376,7 +339,7 @@ def _model_section(results: Results) -> list[str]:
         "row's output and input gradient in fp32 are "
         "checked against torch in float64 (cupynorm within 2x torch's error).",
         "",
-        *_table(columns, rows, left=2),
+        *md_table(columns, rows, left=2),
         *notes.lines(),
         "",
         *titles,
@@ -396,16 +359,12 @@ def _model_goal(model: dict[str, Any]) -> tuple[float | None, list[str]]:
 
 
 def _host(step: dict[str, Any]) -> str:
-    return _number(step.get("host_us_per_norm_layer"), ".0f")
+    return fmt_number(step.get("host_us_per_norm_layer"), ".0f")
 
 
 def _peak(step: dict[str, Any]) -> str:
     peak = step.get("peak_extra_bytes")
-    return _number(peak / 2**20 if isinstance(peak, (int, float)) else None, ".0f")
-
-
-def _number(value: Any, spec: str) -> str:
-    return format(value, spec) if isinstance(value, (int, float)) else "-"
+    return fmt_number(peak / 2**20 if isinstance(peak, (int, float)) else None, ".0f")
 
 
 def _two_gpu_section(results: Results) -> list[str]:
@@ -429,10 +388,10 @@ def _two_gpu_section(results: Results) -> list[str]:
                 name,
                 str(row.get("world", "-")),
                 str(row.get("batch_per_rank", "-")),
-                _ms(ms),
-                _number(row.get("images_per_s"), ".0f"),
-                _ms(row.get("collective_ms_per_step")),
-                _ratio(ratio) if row.get("variant") != "unsynced" else "-",
+                fmt_ms(ms),
+                fmt_number(row.get("images_per_s"), ".0f"),
+                fmt_ms(row.get("collective_ms_per_step")),
+                fmt_ratio(ratio) if row.get("variant") != "unsynced" else "-",
                 f"{gpus.get(source, '-')} ({source})",
             ]
         )
@@ -448,7 +407,7 @@ def _two_gpu_section(results: Results) -> list[str]:
         "SyncBatchNorm's own collectives per step; vs torch: torch's SyncBatchNorm step in the "
         "same run over this one.",
         "",
-        *_table(columns, rows),
+        *md_table(columns, rows),
     ]
 
 
@@ -488,108 +447,6 @@ def _calls_section(results: Results) -> list[str]:
     return lines
 
 
-def _convergence_section(results: Results) -> list[str]:
-    def joined(values: list, spec: str) -> str:
-        return ", ".join(_number(v, spec) for v in values) or "-"
-
-    rows = []
-    for source, result in results.convergence:
-        if "skipped" in result:
-            rows.append([result["model"], "-", "-", "-", "-", "-", "-", "-", "skipped", source])
-            continue
-        runs = {impl: [r for r in result["runs"] if r["impl"] == impl]
-                for impl in ("torch", "cupynorm")}  # fmt: skip
-        rows.append(
-            [
-                result["model"],
-                str(result["steps"]),
-                result.get("device", "-"),
-                joined([r.get("final_loss") for r in runs["torch"]], ".4f"),
-                joined([r.get("final_loss") for r in runs["cupynorm"]], ".4f"),
-                joined(result.get("inside_fraction", []), ".1%"),
-                " / ".join(
-                    joined([r.get("steady_ms_per_step") for r in runs[impl]], ".1f")
-                    for impl in ("torch", "cupynorm")
-                ),
-                " / ".join(
-                    joined([r.get("wall_s") for r in runs[impl]], ".1f")
-                    for impl in ("torch", "cupynorm")
-                ),
-                "yes" if result.get("converges") else "no",
-                source,
-            ]
-        )
-    columns = ("model", "steps", "GPU", "torch final loss", "cupynorm final loss",
-               "steps in torch's band", "ms/step torch / cupynorm", "wall s torch / cupynorm",
-               "converges", "file")  # fmt: skip
-    return [
-        "## Convergence",
-        "",
-        "`python scripts/convergence.py --out DIR`: each model trained from the same initial "
-        "weights on the same batches (bf16 autocast, cuDNN nondeterministic), with torch's norms "
-        "twice and cupynorm's once; the band is torch's two runs' spread, at least three "
-        "standard errors of the smoothed loss; final loss: the mean of the last 50 steps. "
-        "ms/step: steady state (after the warm-up steps); wall s: the whole run, the first "
-        "kernel compilations included. The loss curves are the PNGs beside the JSON.",
-        "",
-        *_table(columns, rows),
-    ]
-
-
-# what replace_norms' warning names when torch's padded channels_last AvgPool2d backward is wrong
-TORCH_POOL_BUG = "pytorch/pytorch#188344"
-
-
-def _timm_section(results: Results) -> list[str]:
-    def pair(values: dict[str, float], spec: str) -> str:
-        torch_value, ours = values.get("torch"), values.get("cupynorm")
-        if torch_value is None or ours is None:
-            return "-"
-        return f"{torch_value:{spec}} / {ours:{spec}} ({_ratio(torch_value / ours)})"
-
-    lines = [
-        "## timm: one model per family",
-        "",
-        "`python scripts/timm_sweep.py --json FILE`: each model converted by `fuse`, its fp32 "
-        "output, input gradient and worst parameter gradient checked against torch in float64 "
-        "(batch 4, channels_last, TF32 off; ok: cupynorm within 2x torch's error + 1e-6), and "
-        "its training step timed (batch 32, bf16 autocast, channels_last, SGD; ms torch / "
-        "cupynorm, vs torch) eager and captured whole in a CUDA graph. The eager ratio carries "
-        "the host's noise: families that convert nothing (the same model twice) spread "
-        "0.83-1.23x eager and 0.99-1.00x graphed (benchmarks/NOTES.md). The PoolFormer failures "
-        f"are torch's own: its CUDA AvgPool2d backward is wrong for a padded channels_last input "
-        f"({TORCH_POOL_BUG}, torch 2.11), which cupynorm's GroupNorm hands it where torch's "
-        "GroupNorm returns NCHW; `replace_norms` warns of it (README, Limits).",
-    ]
-    for source, data in results.timm:
-        env, rows, skipped = data["environment"], [], 0
-        for r in data["records"]:
-            if r["status"] == "not run (time)":
-                skipped += 1
-                continue
-            left = ", ".join(f"{e['class'].rsplit('.', 1)[-1]} x{e['count']}: {e['reason']}"
-                             for e in r["left"]) or "-"  # fmt: skip
-            errors = r["errors"]
-            worst = " / ".join(_number(errors.get(f"{kind}_cupynorm"), ".1e")
-                               for kind in ("out", "dx", "pgrad"))  # fmt: skip
-            ok = {True: "yes", False: "**no**"}.get(r["ok"], r["error"] or "-")
-            if r["ok"] is False and any(TORCH_POOL_BUG in w for w in r.get("warnings", ())):
-                ok += f" (torch's AvgPool2d backward, {TORCH_POOL_BUG})"
-            rows.append([f"`{r['model']}`", r["family"], str(r["norm_layers"]),
-                         str(r["converted"]), str(r["fused"]), _cell(left), worst, ok,
-                         pair(r["eager_ms"], ".2f"), pair(r["graphed_ms"], ".2f")])  # fmt: skip
-        columns = ("model", "family", "norm layers", "converted", "fused", "left (why)",
-                   "cupynorm err out / dx / param", "ok", "eager ms", "graphed ms")  # fmt: skip
-        setup = (f"{env.get('device_name', '-')}, torch {env.get('torch', '-')}, timm "
-                 f"{env.get('timm', '-')}, {env.get('date', '-')} ({source}); conversion: "
-                 f"{env.get('conversion', 'fuse')}; errors: mean of "
-                 f"{env.get('accuracy_draws', 1)} draw(s); eager: median of "
-                 f"{env.get('eager_steps', 15)} steps; {skipped} families not reached in the "
-                 "run's time:")  # fmt: skip
-        lines += ["", setup, "", *_table(columns, rows, left=2)]
-    return lines
-
-
 def render(results: Results) -> str:
     """The whole page."""
     lines = _header(results)
@@ -602,7 +459,7 @@ def render(results: Results) -> str:
     if results.calls:
         lines += ["", *_calls_section(results)]
     if results.convergence:
-        lines += ["", *_convergence_section(results)]
+        lines += ["", *convergence_section(results)]
     if results.timm:
-        lines += ["", *_timm_section(results)]
+        lines += ["", *timm_section(results)]
     return "\n".join(lines).rstrip() + "\n"
