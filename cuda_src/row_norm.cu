@@ -195,7 +195,8 @@ ROW_BWD_ENTRY(row_norm_bwd_cast_4, 4, true)
 // the statistics are two passes over the registers relative to the row's first value (the
 // formulas of segment_norm.cu's row section), the sums over the row by the caller's reduction.
 template <int PACKS>
-__device__ __forceinline__ void held_add_residual(Pack<VEC> (&v)[PACKS], const Pack<VEC> (&r)[PACKS],
+__device__ __forceinline__ void held_add_residual(Pack<VEC> (&v)[PACKS],
+                                                  const Pack<VEC> (&r)[PACKS],
                                                   scalar_t* __restrict__ sum_row, int first,
                                                   int step, int packs) {
 #pragma unroll

@@ -25,7 +25,7 @@ def _to_rows(x: Any) -> Any:
     return x.permute(*order) if _interop.is_torch_tensor(x) else x.transpose(order)
 
 
-def _to_channels(t: Any) -> Any:
+def to_channels(t: Any) -> Any:
     """The (N, C, *spatial) view of t (N, *spatial, C)."""
     order = (0, t.ndim - 1, *range(1, t.ndim - 1))
     return t.permute(*order) if _interop.is_torch_tensor(t) else t.transpose(order)
@@ -58,11 +58,6 @@ def takes_rows(x: Any) -> bool:
     bk = _interop.backend_of(x)
     layout = _plan.classify_layout(tuple(x.shape), tuple(bk.strides(x)))
     return _as_rows(layout, tuple(x.shape[2:]))
-
-
-def to_channels(t: Any) -> Any:
-    """The (N, C, *spatial) view of rows t (N, *spatial, C)."""
-    return _to_channels(t)
 
 
 def channel_norm_fwd(
@@ -99,7 +94,7 @@ def channel_norm_fwd(
                                            want_stats=want_stats, **extra)
         # fmt: on
         if not rows_out:
-            y = _to_channels(y)
+            y = to_channels(y)
     else:
         if out_dtype not in (None, bk.dtype_name(x)):  # the channels family: on a float32 copy
             x = bk.astype(x, out_dtype)
@@ -111,7 +106,7 @@ def channel_norm_fwd(
             y, _sum, mean, rstd = row_norm_fwd(
                 rows, None, weight, bias, C, eps, rms, want_stats=want_stats
             )
-            y = bk.contiguous(_to_channels(y))
+            y = bk.contiguous(to_channels(y))
     stats = (N, *spatial)
     mean = None if mean is None else mean.reshape(stats)
     rstd = None if rstd is None else rstd.reshape(stats)
@@ -145,7 +140,7 @@ def channel_norm_bwd(
         dx, dweight, dbias = row_norm_bwd(
             rows_dy, None, _to_rows(x), mean, rstd, weight, C, needs_input_grad
         )
-        return (None if dx is None else _to_channels(dx)), dweight, dbias
+        return (None if dx is None else to_channels(dx)), dweight, dbias
     dtype = bk.dtype_name(x)
     if bk.dtype_name(dy) != dtype:  # a float32 dy beside half x: on a float32 copy of x
         x = bk.astype(x, bk.dtype_name(dy))
@@ -158,7 +153,7 @@ def channel_norm_bwd(
                                           bk.contiguous(_to_rows(x)), mean, rstd, weight, C,
                                           needs_input_grad)
         # fmt: on
-        dx = None if dx is None else bk.contiguous(_to_channels(dx))
+        dx = None if dx is None else bk.contiguous(to_channels(dx))
     if dx is not None and bk.dtype_name(dx) != dtype:
         dx = bk.astype(dx, dtype)
     return dx, dweight, dbias
