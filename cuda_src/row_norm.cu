@@ -25,11 +25,13 @@
 //
 // Backward of long rows: a CTA of T <= 256 threads per row, thread t holding packs t, t + T, ... of
 // x and dy (its weight-gradient sums must stay few per thread), the two row sums one block
-// reduction, the next row's loads in flight during it. Each thread keeps its dweight / dbias sums
-// over the CTA's rows in registers; every CTA writes one fp32 partial row, and row_norm_bwd_params
-// adds the partial rows in CTA order. (The separate sums and dx passes of segment_norm.cu took
-// 118-150 us for 5 passes of bf16 8192x4096, floor 80.) Deterministic: no atomics, fixed orders
-// for a given grid.
+// reduction. No prefetch of the next row: its registers held the SM to 2 CTAs, without them 3
+// fit up to 2 packs a thread (80 registers, no spill): LayerNorm bf16 8192x4096 112 -> 104 us,
+// RMSNorm bf16 16384x2048 116 -> 98 us on an H200 (NOTES.md). Each thread keeps its dweight /
+// dbias sums over the CTA's rows in registers; every CTA writes one fp32 partial row, and
+// row_norm_bwd_params adds the partial rows in CTA order. (The separate sums and dx passes of
+// segment_norm.cu took 118-150 us for 5 passes of bf16 8192x4096, floor 80.) Deterministic: no
+// atomics, fixed orders for a given grid.
 #include "common.cuh"
 
 // a and b summed over the block, returned to every thread (fixed order). scratch: 66 values;
@@ -117,17 +119,10 @@ __device__ __forceinline__ void row_bwd(
     for (int k = 0; k < PACKS; ++k)
 #pragma unroll
         for (int j = 0; j < V; ++j) dw[k][j] = db[k][j] = acc_t(0);
-    int64 row = blockIdx.x;
-    load_row<PACKS>(xc, x, row, row_len, packs, threadIdx.x, blockDim.x);
-    load_row<PACKS>(dc, dy, row, row_len, packs, threadIdx.x, blockDim.x);
-    for (; row < rows; row += gridDim.x) {
-        const int64 next = row + gridDim.x, base = row * row_len;
-        Pack<V> xn[PACKS];
-        OutPack<V> dn[PACKS];
-        if (next < rows) {  // in flight during this row's reduction
-            load_row<PACKS>(xn, x, next, row_len, packs, threadIdx.x, blockDim.x);
-            load_row<PACKS>(dn, dy, next, row_len, packs, threadIdx.x, blockDim.x);
-        }
+    for (int64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int64 base = row * row_len;
+        load_row<PACKS>(xc, x, row, row_len, packs, threadIdx.x, blockDim.x);
+        load_row<PACKS>(dc, dy, row, row_len, packs, threadIdx.x, blockDim.x);
         const acc_t m = mean != nullptr ? mean[row] : acc_t(0), rs = rstd[row];
         acc_t g[PACKS][V];
         acc_t sg = 0, sgx = 0;
@@ -153,11 +148,6 @@ __device__ __forceinline__ void row_bwd(
             row_bwd_pack<V, CAST>(xc[k], dc[k], g[k], m, rs, mean_g, mean_gx, dsum, dx, base, p,
                                   dw[k], db[k]);
         }
-#pragma unroll
-        for (int k = 0; k < PACKS; ++k) {
-            xc[k] = xn[k];
-            dc[k] = dn[k];
-        }
     }
 #pragma unroll
     for (int k = 0; k < PACKS; ++k) {
@@ -172,8 +162,9 @@ __device__ __forceinline__ void row_bwd(
     }
 }
 
+// 3 CTAs per SM up to 2 packs a thread (80 registers, no spill); at 4, 3 would spill
 #define ROW_BWD_ENTRY(NAME, PACKS, CAST)                                                       \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                   \
+    extern "C" __global__ void __launch_bounds__(256, PACKS <= 2 ? 3 : 1) NAME(               \
         const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                         \
         const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
