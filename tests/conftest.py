@@ -253,19 +253,24 @@ def _replay_every_recorded_call():
 
 @pytest.fixture(autouse=True, scope="session")
 def _every_norm_on_the_kernels():
-    """The tests check cupynorm's kernels: every call on them, eager at any size (the default
-    sends small eager calls to torch's op: tests/test_eager_policy_gpu.py) and inside compiled
-    graphs for every kind (the default leaves some kinds to Inductor: tests/test_policy_cpu.py),
-    restored after the session."""
+    """The tests check cupynorm's kernels: every call on them, eager and captured at any size
+    (the defaults send small calls to torch's op: tests/test_eager_policy_gpu.py) and inside
+    compiled graphs for every kind (the default leaves some kinds to Inductor:
+    tests/test_policy_cpu.py), restored after the session."""
     try:
         from cupynorm.torch import _policy
     except ImportError:  # no torch
         yield
         return
-    previous = _policy.set_compile_kernels("all"), _policy.set_eager_min_bytes(0)
+    previous = (
+        _policy.set_compile_kernels("all"),
+        _policy.set_eager_min_bytes(0),
+        _policy.set_capture_min_bytes(0),
+    )
     yield
     _policy.set_compile_kernels(previous[0])
     _policy.set_eager_min_bytes(previous[1])
+    _policy.set_capture_min_bytes(previous[2])
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
-"""The eager size policy's API (cupynorm.torch.set_eager_min_bytes / eager_min_bytes): parsing,
-the previous choice returned, refusals that change nothing, the environment variable read at
+"""The size policies' API (cupynorm.torch.set_eager_min_bytes / eager_min_bytes, and
+set_capture_min_bytes / capture_min_bytes for calls inside a CUDA graph capture): parsing, the
+previous choice returned, refusals that change nothing, the environment variables read at
 import. Where the calls go is tested on the GPU (tests/test_eager_policy_gpu.py)."""
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import pytest
 
@@ -17,35 +20,69 @@ import cupynorm.torch as cnt  # noqa: E402
 from cupynorm.torch import _policy  # noqa: E402
 
 
-@pytest.fixture
-def restore():
-    previous = cnt.eager_min_bytes()
-    yield
-    cnt.set_eager_min_bytes(previous)
+class Sizes(NamedTuple):
+    """One of the two size policies: eager calls, calls inside a CUDA graph capture."""
+
+    set: Callable
+    get: Callable
+    default: Mapping[str, int]
+    environment: str
 
 
-def test_set_returns_the_previous_choice_and_takes_it_back(restore) -> None:
-    before = cnt.eager_min_bytes()
-    previous = cnt.set_eager_min_bytes(0)
+SIZES = {
+    "eager": Sizes(
+        cnt.set_eager_min_bytes,
+        cnt.eager_min_bytes,
+        _policy.EAGER_DEFAULT,
+        _policy.EAGER_ENVIRONMENT,
+    ),
+    "capture": Sizes(
+        cnt.set_capture_min_bytes,
+        cnt.capture_min_bytes,
+        _policy.CAPTURE_DEFAULT,
+        _policy.CAPTURE_ENVIRONMENT,
+    ),
+}
+
+
+@pytest.fixture(params=list(SIZES))
+def sizes(request):
+    """Each size policy, its sizes (and the other's) restored after the test."""
+    previous = {name: policy.get() for name, policy in SIZES.items()}
+    yield SIZES[request.param]
+    for name, policy in SIZES.items():
+        policy.set(previous[name])
+
+
+def test_set_returns_the_previous_choice_and_takes_it_back(sizes) -> None:
+    before = sizes.get()
+    previous = sizes.set(0)
     assert previous == before
-    assert set(cnt.eager_min_bytes().values()) == {0}
-    assert cnt.set_eager_min_bytes(previous) == dict.fromkeys(_policy.EAGER_DEFAULT, 0)
-    assert cnt.eager_min_bytes() == before
+    assert set(sizes.get().values()) == {0}
+    assert sizes.set(previous) == dict.fromkeys(sizes.default, 0)
+    assert sizes.get() == before
 
 
-def test_a_mapping_or_a_string_changes_only_the_kinds_it_names(restore) -> None:
-    cnt.set_eager_min_bytes("default")
-    cnt.set_eager_min_bytes({"layer_norm": 5})
-    assert cnt.eager_min_bytes() == {**_policy.EAGER_DEFAULT, "layer_norm": 5}
-    cnt.set_eager_min_bytes("rms_norm=7, group_norm=0")
-    expected = {**_policy.EAGER_DEFAULT, "layer_norm": 5, "rms_norm": 7, "group_norm": 0}
-    assert cnt.eager_min_bytes() == expected
-    cnt.set_eager_min_bytes(" Default ")
-    assert cnt.eager_min_bytes() == dict(_policy.EAGER_DEFAULT)
+def test_the_two_policies_are_apart(sizes) -> None:
+    other = next(p for p in SIZES.values() if p is not sizes)
+    before = other.get()
+    sizes.set(12345)
+    assert other.get() == before
+
+
+def test_a_mapping_or_a_string_changes_only_the_kinds_it_names(sizes) -> None:
+    sizes.set("default")
+    sizes.set({"layer_norm": 5})
+    assert sizes.get() == {**sizes.default, "layer_norm": 5}
+    sizes.set("rms_norm=7, group_norm=0")
+    expected = {**sizes.default, "layer_norm": 5, "rms_norm": 7, "group_norm": 0}
+    assert sizes.get() == expected
+    sizes.set(" Default ")
+    assert sizes.get() == dict(sizes.default)
 
 
 @pytest.mark.parametrize(
-    ("sizes", "error", "match"),
+    ("value", "error", "match"),
     [
         ({"layernorm": 1}, ValueError, "unknown norm kind.*'layernorm'"),
         ({"layer_norm": -1}, ValueError, "size in bytes >= 0 for 'layer_norm'"),
@@ -56,45 +93,45 @@ def test_a_mapping_or_a_string_changes_only_the_kinds_it_names(restore) -> None:
         ([("layer_norm", 1)], TypeError, "expected 'default'"),
     ],
 )
-def test_a_refused_choice_changes_nothing(sizes, error, match, restore) -> None:
-    before = cnt.eager_min_bytes()
+def test_a_refused_choice_changes_nothing(value, error, match, sizes) -> None:
+    before = sizes.get()
     with pytest.raises(error, match=match):
-        cnt.set_eager_min_bytes(sizes)
-    assert cnt.eager_min_bytes() == before
+        sizes.set(value)
+    assert sizes.get() == before
 
 
-def test_the_returned_dict_is_a_copy(restore) -> None:
-    cnt.set_eager_min_bytes({"layer_norm": 5})
-    cnt.eager_min_bytes()["layer_norm"] = 123
-    assert cnt.eager_min_bytes()["layer_norm"] == 5
+def test_the_returned_dict_is_a_copy(sizes) -> None:
+    sizes.set({"layer_norm": 5})
+    sizes.get()["layer_norm"] = 123
+    assert sizes.get()["layer_norm"] == 5
 
 
-def test_the_kinds_are_the_compile_policys_with_the_fused_forms_apart() -> None:
+def test_the_kinds_are_the_compile_policys_with_the_fused_forms_apart(sizes) -> None:
     fused = {"batch_norm_act", "group_norm_act", "llama_rms_norm"}
-    assert _policy.EAGER_DEFAULT.keys() == _policy.KINDS.keys() | fused
+    assert sizes.default.keys() == _policy.KINDS.keys() | fused
 
 
 @pytest.mark.parametrize(
     ("value", "expected", "warns"),
     [("0", 0, False), ("layer_norm=3", 3, False), ("nonsense", None, True)],
 )
-def test_the_environment_variable_is_read_at_import(value, expected, warns) -> None:
+def test_the_environment_variable_is_read_at_import(value, expected, warns, sizes) -> None:
     code = (
         "import warnings, json\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    import cupynorm.torch as cnt\n"
-        "print(json.dumps([cnt.eager_min_bytes()['layer_norm'],"
-        " any('CUPYNORM_EAGER_MIN_BYTES' in str(w.message) for w in caught)]))\n"
+        f"print(json.dumps([cnt.{sizes.get.__name__}()['layer_norm'],"
+        f" any({sizes.environment!r} in str(w.message) for w in caught)]))\n"
     )
-    env = {**os.environ, _policy.EAGER_ENVIRONMENT: value}
+    env = {**os.environ, sizes.environment: value}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     size, warned = json.loads(out.stdout.strip().splitlines()[-1])
     assert warned == warns
     if expected is None:
-        assert size == _policy.EAGER_DEFAULT["layer_norm"]
+        assert size == sizes.default["layer_norm"]
     else:
         assert size == expected
 

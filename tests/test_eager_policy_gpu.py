@@ -1,8 +1,9 @@
 """Small eager calls on torch's own op (cupynorm.torch.set_eager_min_bytes) on the GPU: below a
 kind's size an eager call is torch's functional call (outputs, gradients and running statistics
 those of torch's module), from that size on it runs cupynorm's kernels -- while the GPU is behind
-the host (cupynorm.torch.set_eager_adaptive), torch's op while it keeps up; a CUDA graph
-capture and channels_last GroupNorm always run the kernels. The rest of the suite runs with every
+the host (cupynorm.torch.set_eager_adaptive), torch's op while it keeps up; channels_last
+GroupNorm always runs the kernels; inside a CUDA graph capture the capture size alone decides
+(cupynorm.torch.set_capture_min_bytes). The rest of the suite runs with every
 size on the kernels (conftest); each test here sets the sizes it needs and restores them.
 """
 
@@ -159,25 +160,65 @@ def test_channels_last_group_norm_stays_on_the_kernels(sizes, torch_calls) -> No
     assert y.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_a_cuda_graph_capture_runs_the_kernels(sizes, torch_calls) -> None:
-    """A captured call's host cost is paid once: the kernels, whatever the size."""
-    module = cnt.LayerNorm(40).cuda()
-    x = torch.randn(6, 5, 40, device="cuda")
-    sizes({"layer_norm": 0})
+@pytest.fixture
+def capture_sizes():
+    """Restores the capture sizes the test found."""
+    previous = cnt.capture_min_bytes()
+    yield cnt.set_capture_min_bytes
+    cnt.set_capture_min_bytes(previous)
+
+
+def _captured(module, x, dy):
+    """module(x) forward and backward: once eagerly on a side stream (the warm-up a capture
+    needs), then captured in a CUDA graph and replayed once. Returns what _run returns."""
+    x = x.detach().clone().requires_grad_(True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        module(x)  # the kernels' warm-up outside the capture (compiled and recorded)
+        (module(x) * dy).sum().backward()
     torch.cuda.current_stream().wait_stream(stream)
-    sizes({"layer_norm": 1 << 40})
+    x.grad = None
+    for p in module.parameters():
+        p.grad = None
     graph = torch.cuda.CUDAGraph()
-    torch_calls.clear()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):  # the loss and its gradient inside, as in a training step
         y = module(x)
-    assert "layer_norm" not in torch_calls
+        (y * dy).sum().backward()
     graph.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(y, F.layer_norm(x, (40,), module.weight, module.bias))
+    grads = [p.grad for p in module.parameters()]
+    return y, x.grad, grads, [b.clone() for b in module.buffers()]
+
+
+@pytest.mark.parametrize("below", [True, False], ids=["below", "at"])
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_a_captured_call_below_its_capture_size_is_torchs_own(
+    kind, below, capture_sizes, torch_calls
+) -> None:
+    """Inside a CUDA graph capture the host is paid once: the capture size alone decides
+    (torch's op below it, the kernels from it on, whatever the eager size), and the replayed
+    graph gives torch's module's results either way (two steps: the warm-up and the replay)."""
+    make, shape, channels_last = CASES[kind]
+    reference, module, functional = make()
+    reference.cuda()
+    module.cuda().load_state_dict(_norm_of(reference).state_dict())
+    x = torch.randn(shape, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    dy = torch.linspace(-1, 1, x.numel(), device="cuda").reshape(shape)
+    _run(reference, x)
+    reference.zero_grad(set_to_none=True)  # the replay's gradients are one step's
+    expected = _run(reference, x)
+    capture_sizes({kind: x.numel() * x.element_size() + int(below)})
+    torch_calls.clear()
+    actual = _captured(module, x, dy)
+    assert (functional in torch_calls) == below
+    torch.testing.assert_close(actual[0], expected[0])
+    torch.testing.assert_close(actual[1], expected[1])
+    for a, e in zip(actual[2], expected[2], strict=True):
+        torch.testing.assert_close(a, e)
+    for a, e in zip(actual[3], expected[3], strict=True):
+        torch.testing.assert_close(a, e)
 
 
 def _probe_after(queued_ms: float) -> None:

@@ -4,7 +4,8 @@ CUDA tensors run on cupynorm's kernels (launched on torch's current stream, memo
 allocator, so CUDA-graph capture works), but for two choices of where a call runs (see
 :mod:`._policy`): eager calls smaller than their kind's size run torch's own op, whose host path
 costs less than the kernels would save (:func:`set_eager_min_bytes`), as do larger ones while
-the GPU keeps up with the host (:func:`set_eager_adaptive`), and inside
+the GPU keeps up with the host (:func:`set_eager_adaptive`) and, inside a CUDA graph capture,
+calls smaller than their kind's capture size (:func:`set_capture_min_bytes`); inside
 ``torch.compile`` BatchNorm, LayerNorm, RMSNorm and the channel norms are traced as torch's
 functional calls for Inductor to fuse, the others are custom ops (``torch.ops.cupynorm.*``) with
 fake kernels and registered autograd (:func:`set_compile_kernels`). Tensors on any other device go
@@ -29,8 +30,10 @@ from ._hf_norms import (
     T5LayerNorm,
 )
 from ._policy import (
+    capture_min_bytes,
     compile_kernels,
     eager_min_bytes,
+    set_capture_min_bytes,
     set_compile_kernels,
     set_eager_adaptive,
     set_eager_min_bytes,
@@ -95,6 +98,7 @@ __all__ = [
     "RMSNorm2d",
     "RowNormAddMul",
     "add_layer_norm",
+    "capture_min_bytes",
     "compile_kernels",
     "eager_min_bytes",
     "add_rms_norm",
@@ -113,6 +117,7 @@ __all__ = [
     "rms_norm2d",
     "row_norm_add_mul",
     "set_compile_kernels",
+    "set_capture_min_bytes",
     "set_eager_adaptive",
     "set_eager_min_bytes",
 ]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ._higher_order import composite_only
-from ._policy import EAGER_ADAPTIVE, EAGER_MIN_BYTES, gpu_behind
+from ._policy import CAPTURE_MIN_BYTES, EAGER_ADAPTIVE, EAGER_MIN_BYTES, gpu_behind
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_stack_len = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
@@ -43,7 +43,12 @@ def _use_kernels(x: Tensor, kind: str) -> bool:
     if not x.is_cuda or composite_only():
         return False
     least = EAGER_MIN_BYTES[kind]
-    if not least or _traced(x) or _capturing():
+    if _traced(x):
+        return True
+    if _capturing():  # the host is paid once: GPU time decides
+        least = CAPTURE_MIN_BYTES[kind]
+        return not least or x.numel() * x.element_size() >= least
+    if not least:
         return True
     if x.numel() * x.element_size() < least:
         return False
