@@ -112,10 +112,9 @@ def _run(module, x):
     return y, x.grad, grads, buffers
 
 
-def _both_sides(kind: str, torch_calls: dict, size_over_input: int, sizes) -> tuple:
-    """torch's side and cupynorm's of one case, run on the same input with ``kind``'s eager size
-    set to the input's bytes plus ``size_over_input``: (torch's results, cupynorm's, the name
-    of torch's functional); ``torch_calls`` counts cupynorm's side's calls only."""
+def _case(kind: str) -> tuple:
+    """One case on the GPU: (torch's module, cupynorm's with the same state, the name of the
+    functional torch's side runs, an input)."""
     make, shape, channels_last = CASES[kind]
     reference, module, functional = make()
     reference.cuda()
@@ -123,6 +122,14 @@ def _both_sides(kind: str, torch_calls: dict, size_over_input: int, sizes) -> tu
     x = torch.randn(shape, device="cuda")
     if channels_last:
         x = x.to(memory_format=torch.channels_last)
+    return reference, module, functional, x
+
+
+def _both_sides(kind: str, torch_calls: dict, size_over_input: int, sizes) -> tuple:
+    """torch's side and cupynorm's of one case, run on the same input with ``kind``'s eager size
+    set to the input's bytes plus ``size_over_input``: (torch's results, cupynorm's, the name
+    of torch's functional); ``torch_calls`` counts cupynorm's side's calls only."""
+    reference, module, functional, x = _case(kind)
     sizes({kind: x.numel() * x.element_size() + size_over_input})
     expected = _run(reference, x)
     torch_calls.clear()
@@ -198,14 +205,8 @@ def test_a_captured_call_below_its_capture_size_is_torchs_own(
     """Inside a CUDA graph capture the host is paid once: the capture size alone decides
     (torch's op below it, the kernels from it on, whatever the eager size), and the replayed
     graph gives torch's module's results either way (two steps: the warm-up and the replay)."""
-    make, shape, channels_last = CASES[kind]
-    reference, module, functional = make()
-    reference.cuda()
-    module.cuda().load_state_dict(_norm_of(reference).state_dict())
-    x = torch.randn(shape, device="cuda")
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
-    dy = torch.linspace(-1, 1, x.numel(), device="cuda").reshape(shape)
+    reference, module, functional, x = _case(kind)
+    dy = torch.linspace(-1, 1, x.numel(), device="cuda").reshape(x.shape)
     _run(reference, x)
     reference.zero_grad(set_to_none=True)  # the replay's gradients are one step's
     expected = _run(reference, x)
