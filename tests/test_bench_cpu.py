@@ -701,3 +701,22 @@ def test_dry_run_missing_cupynorm_is_a_row_error_and_exit_1(
     captured = capsys.readouterr()
     assert "| module_overhead | torch eager | " in captured.out
     assert "| module_overhead | cupynorm | ERROR: building the module failed" in captured.out
+
+
+def test_the_environment_records_where_calls_run() -> None:
+    """The JSON's ``routing``: cupynorm.torch's policies in effect when the rows ran."""
+    pytest.importorskip("torch")
+    import cupynorm.torch as cnt
+    from cupynorm.bench import cli
+
+    previous = cnt.set_capture_min_bytes({"group_norm": 7})
+    try:
+        routing = cli._routing()
+    finally:
+        cnt.set_capture_min_bytes(previous)
+    assert routing is not None
+    assert routing["capture_min_bytes"]["group_norm"] == 7
+    assert routing["eager_min_bytes"] == cnt.eager_min_bytes()
+    assert routing["compile_kernels"] == sorted(cnt.compile_kernels())
+    assert type(routing["eager_adaptive"]) is bool
+    assert json.loads(json.dumps(routing)) == routing  # into the report as it is

@@ -47,8 +47,25 @@ EXIT_FAILED = 1
 EXIT_ENVIRONMENT = 2
 
 
+def _routing() -> dict[str, Any] | None:
+    """Where cupynorm.torch's calls run in this process, as the model rows run them (the kernel
+    rows put every eager call on the kernels): the eager sizes and the adaptive choice, the
+    capture sizes, the kinds on the kernels inside torch.compile; None without cupynorm.torch."""
+    try:
+        import cupynorm.torch as cnt
+        from cupynorm.torch import _policy
+    except ImportError:
+        return None
+    return {
+        "eager_min_bytes": cnt.eager_min_bytes(),
+        "eager_adaptive": _policy.EAGER_ADAPTIVE[0],
+        "capture_min_bytes": cnt.capture_min_bytes(),
+        "compile_kernels": sorted(cnt.compile_kernels()),
+    }
+
+
 def _environment(torch_module: ModuleType) -> dict[str, Any]:
-    """GPU name, date and versions for the JSON report."""
+    """GPU name, date, versions and cupynorm's routing (:func:`_routing`) for the JSON report."""
     try:
         cupy_version: str | None = importlib.import_module("cupy").__version__
     except Exception:  # noqa: BLE001 - CuPy missing is reported as None
@@ -70,6 +87,7 @@ def _environment(torch_module: ModuleType) -> dict[str, Any]:
         "cupynorm": cupynorm_version,
         "torchvision": torchvision_version,
         "python": platform.python_version(),
+        "routing": _routing(),
     }
 
 
