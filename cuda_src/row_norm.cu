@@ -162,16 +162,18 @@ __device__ __forceinline__ void row_bwd(
     }
 }
 
-// 3 CTAs per SM up to 2 packs a thread (80 registers, no spill); at 4, 3 would spill
-#define ROW_BWD_ENTRY(NAME, PACKS, CAST)                                                       \
-    extern "C" __global__ void __launch_bounds__(256, PACKS <= 2 ? 3 : 1) NAME(               \
-        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                         \
+// The backward kernels' parameters (short rows and CTA per row alike), and their names passed on
+#define ROW_BWD_PARAMS                                                                         \
+    const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                             \
         const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
         const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
         scalar_t* __restrict__ dx, acc_t* __restrict__ dweight_part,                          \
-        acc_t* __restrict__ dbias_part, int64 rows, int row_len) {                            \
-        row_bwd<PACKS, CAST>(x, dy, dsum, weight, mean, rstd, dx, dweight_part, dbias_part,   \
-                             rows, row_len);                                                  \
+        acc_t* __restrict__ dbias_part, int64 rows, int row_len
+#define ROW_BWD_ARGS x, dy, dsum, weight, mean, rstd, dx, dweight_part, dbias_part, rows, row_len
+// 3 CTAs per SM up to 2 packs a thread (80 registers, no spill); at 4, 3 would spill
+#define ROW_BWD_ENTRY(NAME, PACKS, CAST)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, PACKS <= 2 ? 3 : 1) NAME(ROW_BWD_PARAMS) { \
+        row_bwd<PACKS, CAST>(ROW_BWD_ARGS);                                                    \
     }
 
 ROW_BWD_ENTRY(row_norm_bwd_1, 1, false)
@@ -303,15 +305,16 @@ __device__ __forceinline__ void row_fwd_cta(
     held_write<PACKS, CAST>(v, y + base, weight, bias, mean, rstd, first, step, packs);
 }
 
-#define ROW_FWD_CTA_ENTRY(NAME, PACKS, RMS, CAST)                                                \
-    extern "C" __global__ void __launch_bounds__(256) NAME(                                     \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                 \
+// The forward kernels' parameters (CTA per row and short rows alike), and their names passed on
+#define ROW_FWD_PARAMS                                                                          \
+    const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                     \
         scalar_t* __restrict__ sum_out, out_t* __restrict__ y,                                 \
         const param_t* __restrict__ weight, const param_t* __restrict__ bias,                  \
-        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len,           \
-        acc_t eps) {                                                                           \
-        row_fwd_cta<PACKS, RMS, CAST>(x, residual, sum_out, y, weight, bias, mean, rstd, rows, \
-                                      row_len, eps);                                           \
+        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len, acc_t eps
+#define ROW_FWD_ARGS x, residual, sum_out, y, weight, bias, mean, rstd, rows, row_len, eps
+#define ROW_FWD_CTA_ENTRY(NAME, PACKS, RMS, CAST)                                                \
+    extern "C" __global__ void __launch_bounds__(256) NAME(ROW_FWD_PARAMS) {                    \
+        row_fwd_cta<PACKS, RMS, CAST>(ROW_FWD_ARGS);                                            \
     }
 #define ROW_FWD_CTA_ALL(PACKS)                                                                  \
     ROW_FWD_CTA_ENTRY(row_norm_fwd_cta_layer_##PACKS, PACKS, false, false)                      \
@@ -377,19 +380,13 @@ __device__ __forceinline__ void row_fwd_short(
 // The arguments of segment_norm.cu's row forwards, less the team's. Four CTAs per SM (64
 // registers): three, as the compiler chose, moved bf16 rows at 3.1-3.4 TB/s, four at 3.4-3.7.
 #define ROW_FWD_SHORT_ENTRY(NAME, LANES, RMS, CAST)                                              \
-    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 4) NAME(                       \
-        const scalar_t* __restrict__ x, const scalar_t* __restrict__ residual,                 \
-        scalar_t* __restrict__ sum_out, out_t* __restrict__ y,                                 \
-        const param_t* __restrict__ weight, const param_t* __restrict__ bias,                  \
-        acc_t* __restrict__ mean, acc_t* __restrict__ rstd, int64 rows, int row_len,           \
-        acc_t eps) {                                                                           \
-        row_fwd_short<LANES, RMS, CAST>(x, residual, sum_out, y, weight, bias, mean, rstd,    \
-                                         rows, row_len, eps);                                  \
+    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 4) NAME(ROW_FWD_PARAMS) {       \
+        row_fwd_short<LANES, RMS, CAST>(ROW_FWD_ARGS);                                          \
     }
 #define ROW_FWD_SHORT_ALL(LANES)                                                                \
     ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_layer_##LANES, LANES, false, false)                  \
     ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_rms_##LANES, LANES, true, false)                    \
-    ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_rms_cast_##LANES, LANES, true, true)   
+    ROW_FWD_SHORT_ENTRY(row_norm_fwd_short_rms_cast_##LANES, LANES, true, true)
 ROW_FWD_SHORT_ALL(4)
 ROW_FWD_SHORT_ALL(8)
 ROW_FWD_SHORT_ALL(16)
@@ -508,14 +505,8 @@ __device__ __forceinline__ void row_bwd_short(
 // Two CTAs per SM (128 registers, a 16-24 byte spill for bf16): one, as the compiler chose (151
 // registers), left too few loads in flight (rows of 96 bf16, forward + backward 0.510 -> 0.419 ms).
 #define ROW_BWD_SHORT_ENTRY(NAME, LANES, CAST)                                                 \
-    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 2) NAME(                      \
-        const scalar_t* __restrict__ x, const out_t* __restrict__ dy,                         \
-        const scalar_t* __restrict__ dsum, const param_t* __restrict__ weight,                \
-        const acc_t* __restrict__ mean, const acc_t* __restrict__ rstd,                       \
-        scalar_t* __restrict__ dx, acc_t* __restrict__ dweight_part,                          \
-        acc_t* __restrict__ dbias_part, int64 rows, int row_len) {                            \
-        row_bwd_short<LANES, CAST>(x, dy, dsum, weight, mean, rstd, dx, dweight_part,         \
-                                   dbias_part, rows, row_len);                                \
+    extern "C" __global__ void __launch_bounds__(SHORT_THREADS, 2) NAME(ROW_BWD_PARAMS) {      \
+        row_bwd_short<LANES, CAST>(ROW_BWD_ARGS);                                              \
     }
 ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_4, 4, false)
 ROW_BWD_SHORT_ENTRY(row_norm_bwd_short_8, 8, false)
