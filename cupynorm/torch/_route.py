@@ -43,6 +43,8 @@ def _use_kernels(x: Tensor, kind: str) -> bool:
     if not x.is_cuda or composite_only():
         return False
     least = EAGER_MIN_BYTES[kind]
+    if not least and not CAPTURE_MIN_BYTES[kind]:  # the kernels at any size, however called
+        return True
     if _traced(x):
         return True
     if _capturing():  # the host is paid once: GPU time decides
