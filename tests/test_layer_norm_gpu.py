@@ -282,17 +282,32 @@ def test_gradients_are_bitwise_reproducible(rms, D):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
-def test_long_rows_backward(rms):
-    x = rand((3, 1 << 21), "float32").requires_grad_()
-    w = (torch.rand(1 << 21, device="cuda") + 0.5).requires_grad_()
+@pytest.mark.parametrize(
+    "dtype, fp32_params", [("float32", False), ("bfloat16", False), ("bfloat16", True)]
+)
+@pytest.mark.parametrize("D", [1 << 21, (1 << 21) + 3], ids=["packs", "odd"])
+def test_long_rows_forward_and_backward(rms, dtype, fp32_params, D):
+    """Rows longer than a team (the strided statistics, then tile passes walked tile-major over
+    the rows): output and every gradient against float64, whole packs and not."""
+    x = rand((3, D), dtype).requires_grad_()
+    w, b = (
+        None if t is None else t.requires_grad_() for t in params(D, dtype, rms, True, fp32_params)
+    )
     dy = torch.randn_like(x)
-    out, _ = run(x, None, w, None, rms, 1e-5)
-    gx, gw = torch.autograd.grad(out, (x, w), dy)
-    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref = F.rms_norm(xd, (1 << 21,), wd) if rms else F.layer_norm(xd, (1 << 21,), wd)
-    rx, rw = torch.autograd.grad(ref, (xd, wd), dy.double())
-    close(gx, rx, 1e-4)
-    close(gw, rw, 1e-4)
+    poison_torch_allocator(256 << 20)
+    out, _ = run(x, None, w, b, rms, 1e-5)
+    inputs = tuple(t for t in (x, w, b) if t is not None)
+    grads = torch.autograd.grad(out, inputs, dy)
+    doubles = tuple(t.detach().double().requires_grad_() for t in inputs)
+    ref = (
+        F.rms_norm(doubles[0], (D,), doubles[1])
+        if rms
+        else F.layer_norm(doubles[0], (D,), *doubles[1:])
+    )
+    close(out, ref.detach(), TOL[dtype] * 3)
+    for g, r, t in zip(grads, torch.autograd.grad(ref, doubles, dy.double()), inputs, strict=True):
+        # the parameters' gradients sum 3 rows
+        close(g, r, GRAD_TOL[dtype] * (1 if t is x else 3))
 
 
 # ---- autocast: the float32 norm of a half-precision input, read as is ----------------------------
