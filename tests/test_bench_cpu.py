@@ -511,6 +511,9 @@ class CpuStandIn(bench.CudaDevice):
     """The bench's device facade answered on the CPU: the bench's only door to the GPU is
     `bench.timing.cuda`, so swapping that object runs the bench here without touching torch."""
 
+    def __init__(self) -> None:
+        self.spins: list[float] = []  # the GPU's leads over the host asked for, ms
+
     def is_available(self) -> bool:
         return True
 
@@ -518,6 +521,9 @@ class CpuStandIn(bench.CudaDevice):
         import torch
 
         return torch.device("cpu")
+
+    def spin(self, ms: float) -> None:
+        self.spins.append(ms)
 
     def synchronize(self) -> None:
         pass
@@ -664,6 +670,23 @@ def test_dry_run_end_to_end(
         assert all(check["ok"] for check in workload["checks"]) and workload["checks"]
         assert [impl["impl"] for impl in workload["impls"]] == ["torch eager", "cupynorm"]
         assert all(impl["ms"] > 0 for impl in workload["impls"])
+
+
+@pytest.mark.parametrize(
+    "workload, lead",
+    [("instancenorm2d_fp32", bench.timing.HOST_LEAD_MS), ("batchnorm2d_fwdbwd_fp32", None)],
+)
+def test_forward_rows_time_the_gpu_alone(cpu_dry_run, capsys, workload, lead) -> None:
+    """Forward rows queue a spin before each repetition (the GPU's lead: a slow host's issue
+    time never shows); forward + backward rows time the call as a loop runs it, host included."""
+    cpu_dry_run()
+    argv = ["bench", "--quick", "--no-compile", "--reps", "3", "--only", workload]
+    assert main(argv) == 0, capsys.readouterr().err
+    spins = bench.timing.cuda.spins
+    if lead is None:
+        assert spins == []
+    else:  # each implementation: its warm-up calls untimed, then the 3 repetitions
+        assert spins == [lead] * 6
 
 
 def test_dry_run_leaves_torch_alone(cpu_dry_run, capsys) -> None:

@@ -11,7 +11,11 @@ Method (the design notes' "Benchmark method"):
   (`TOLERANCES`). A mismatch is a hard failure: the maximum error is printed and the exit code is 1.
 * Timing: CUDA events placed around the operation only; before each repetition a buffer of at least
   twice the L2 size is overwritten to flush L2 (outside the events); warm-up first; the median of
-  the repetitions is reported. Host-overhead rows (`module_overhead`) time many back-to-back calls
+  the repetitions is reported. Forward rows time the GPU alone: a 0.5 ms spin kernel is queued
+  before each repetition, so the host has queued the call before the GPU reaches the first
+  event, however slow the host (its time per call is `module_overhead`'s and `profile calls`');
+  forward + backward rows time the call as a user's loop runs it, the host's share included.
+  Host-overhead rows (`module_overhead`) time many back-to-back calls
   between one pair of events and report the time per call.
 * TB/s counts `tensor_passes` passes over the big tensor(s) (for example forward: read x, write y;
   forward+backward: read x, write y, read x, read dy, write dx = 5 passes) divided by the median

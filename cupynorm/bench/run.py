@@ -3,6 +3,7 @@ cupynorm on the same inputs."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import statistics
@@ -17,7 +18,14 @@ from . import models, timing
 from .checking import TOLERANCES, TensorCheck, Tolerance, compare_tensors
 from .results import IMPL_COMPILE, IMPL_CUPYNORM, IMPL_EAGER, ImplResult, WorkloadResult
 from .specs import Workload
-from .timing import ESTIMATE_REPS, TimingBudget, choose_reps, time_cuda_ms, time_per_call_ms
+from .timing import (
+    ESTIMATE_REPS,
+    HOST_LEAD_MS,
+    TimingBudget,
+    choose_reps,
+    time_cuda_ms,
+    time_per_call_ms,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -194,14 +202,19 @@ def _measure(
             result.reps = trials
             times = per_call
         else:
-            flush = context.flush_buffer
+            # forward rows: the GPU's time (the host's is the per-call table's); forward +
+            # backward rows: as a user's loop runs them, the host's share included
+            lead = 0.0 if workload.backward else HOST_LEAD_MS
+            timed = functools.partial(
+                time_cuda_ms, step, flush_buffer=context.flush_buffer, host_lead_ms=lead
+            )
             if context.fixed_reps is not None:
                 reps = context.fixed_reps
-                times = time_cuda_ms(step, reps=reps, flush_buffer=flush)
+                times = timed(reps=reps)
             else:
-                estimate = time_cuda_ms(step, reps=ESTIMATE_REPS, flush_buffer=flush)
-                reps = choose_reps(statistics.median(estimate), context.budget)
-                times = time_cuda_ms(step, reps=reps, warmup=0, flush_buffer=flush)
+                estimate = timed(reps=ESTIMATE_REPS)
+                reps = choose_reps(statistics.median(estimate) + lead, context.budget)
+                times = timed(reps=reps, warmup=0)
             result.reps = reps
         result.ms = statistics.median(times)
         result.min_ms = min(times)

@@ -28,6 +28,10 @@ WARMUP_CALLS = 3
 ESTIMATE_REPS = 3
 # Host + flush cost of one repetition besides the timed operation (zeroing 256 MB ~ 0.07 ms).
 PER_REP_OVERHEAD_MS = 0.1
+# The GPU's lead over the host for forward rows (time_cuda_ms's `host_lead_ms`): a spin this long
+# before each repetition. It must exceed the host's time to issue one repetition (the slowest
+# calls measured, torch.compile's on a slow host, ~0.1-0.2 ms).
+HOST_LEAD_MS = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ def l2_flush_bytes(l2_cache_bytes: int) -> int:
 class CudaDevice:
     """Everything the bench asks of the GPU, on torch's current CUDA device."""
 
+    _cycles_per_ms: float | None = None  # of `spin`, measured on first use
+
     def is_available(self) -> bool:
         """Whether torch sees a CUDA GPU."""
         import torch
@@ -97,6 +103,22 @@ class CudaDevice:
         import torch
 
         return torch.cuda.Event(enable_timing=True)
+
+    def spin(self, ms: float) -> None:
+        """Queue a kernel that keeps the GPU busy for about `ms` milliseconds and touches no
+        memory (torch's `_sleep`, its clock cycles per millisecond measured on first use)."""
+        import torch
+
+        if self._cycles_per_ms is None:
+            cycles = 1 << 20
+            for _ in range(2):  # the first one pays any lazy start-up
+                start, end = self.event(), self.event()
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+            self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+        torch.cuda._sleep(max(1, int(ms * self._cycles_per_ms)))
 
     def properties(self) -> Any:
         """torch's device properties (`total_memory`, `L2_cache_size`, ...)."""
@@ -216,11 +238,16 @@ def time_cuda_ms(
     reps: int,
     warmup: int = WARMUP_CALLS,
     flush_buffer: torch.Tensor | None = None,
+    host_lead_ms: float = 0.0,
 ) -> list[float]:
     """Milliseconds of each of `reps` calls of `fn`, CUDA events around the call only.
 
     Before each repetition `flush_buffer` (if given) is overwritten, outside the events, so the
     call starts with a cold L2. `fn`'s result is dropped at once (its memory is reused).
+    `host_lead_ms`: the GPU then spins that long (`CudaDevice.spin`), so the host has queued the
+    call before the GPU reaches the first event: the events time the GPU's work alone, however
+    slow the host (without it, a call that takes the host longer to issue than the GPU to run
+    times the host).
     """
     for _ in range(warmup):
         fn()
@@ -230,6 +257,8 @@ def time_cuda_ms(
     for start, end in zip(starts, ends, strict=True):
         if flush_buffer is not None:
             flush_buffer.zero_()
+        if host_lead_ms:
+            cuda.spin(host_lead_ms)
         start.record()
         fn()
         end.record()
