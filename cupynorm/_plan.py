@@ -172,7 +172,10 @@ def plan_rows_stats(
     vec = vec_width(itemsize)
     vectorized = aligned and run_len % vec == 0
     unit = vec if vectorized else 1
-    want = max(1, -(-device.sm_count * SPLIT_CTAS_PER_SM // num_sets))
+    # at most one wave of SPLIT_CTAS_PER_SM per SM (rounded down): rounded up, 64 sets took
+    # 17 CTAs each, 1088 CTAs on 1056 slots, and a second wave of 32 long CTAs that no longer
+    # kept the DRAM busy (BatchNorm fp32 64x64x512x512: 3.023 -> 2.973 ms; NOTES.md)
+    want = max(1, device.sm_count * SPLIT_CTAS_PER_SM // num_sets)
     most = max(1, set_len // SPLIT_MIN_ELEMENTS_PER_CTA)
     ctas = min(want, most)
     chunk = round_up(-(-set_len // ctas), unit)

@@ -66,6 +66,16 @@ def test_rows_stats_plan_covers_set() -> None:
     assert plan.chunk % 4 == 0 and plan.ctas_per_set * 64 >= H200.sm_count
 
 
+@pytest.mark.parametrize("num_sets", [1, 16, 64, 896, 5000])
+def test_rows_stats_plan_stays_within_one_wave(num_sets) -> None:
+    """At most SPLIT_CTAS_PER_SM CTAs per SM in all (one CTA per set when there are more sets),
+    one more per set would overflow: no second wave of a few long CTAs."""
+    plan = _plan.plan_rows_stats(num_sets, 1 << 24, 1 << 24, 4, True, H200)
+    slots = H200.sm_count * _plan.SPLIT_CTAS_PER_SM
+    assert num_sets * plan.ctas_per_set <= max(slots, num_sets)
+    assert num_sets * (plan.ctas_per_set + 1) > slots  # and fills it up to less than a set's
+
+
 @pytest.mark.parametrize("threads", [_plan.COLS_THREADS, _plan.COLS_APPLY_THREADS])
 @pytest.mark.parametrize("ctas_per_sm", [1, 2, 8, 32])
 def test_cols_plan(ctas_per_sm, threads) -> None:
