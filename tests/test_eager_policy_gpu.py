@@ -167,6 +167,38 @@ def test_channels_last_group_norm_stays_on_the_kernels(sizes, torch_calls) -> No
     assert y.is_contiguous(memory_format=torch.channels_last)
 
 
+def test_a_channel_slice_of_channels_last_group_norm_follows_the_size(sizes, torch_calls) -> None:
+    """A channel slice of a channels_last tensor (SHViT normalizes one) is neither layout: copied
+    either way, its output contiguous on both sides, so its size decides as for contiguous
+    input; the output and gradients are torch's module's."""
+    base = torch.randn(4, 24, 9, 7, device="cuda").to(memory_format=torch.channels_last)
+
+    def run(module):
+        leaf = base.detach().clone().requires_grad_(True)  # channels_last, as base
+        x = leaf[:, :16]
+        assert not x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last)
+        y = module(x)
+        y.backward(torch.linspace(-1, 1, y.numel(), device="cuda").reshape(y.shape))
+        return y, leaf.grad, [p.grad for p in module.parameters()]
+
+    reference = torch.nn.GroupNorm(4, 16).cuda()
+    module = cnt.GroupNorm(4, 16).cuda()
+    module.load_state_dict(reference.state_dict())
+    expected = run(reference)
+    for size, on_kernels in ((base[:, :16].numel() * 4 + 1, False), (0, True)):
+        sizes({"group_norm": size})
+        torch_calls.clear()
+        module.zero_grad()
+        got = run(module)
+        assert ("group_norm" not in torch_calls) is on_kernels
+        assert got[0].is_contiguous()
+        tol = 1e-5 if on_kernels else 1e-6
+        torch.testing.assert_close(got[0], expected[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(got[1], expected[1], rtol=tol * 10, atol=tol * 10)
+        for g, e in zip(got[2], expected[2], strict=True):
+            torch.testing.assert_close(g, e, rtol=tol * 10, atol=tol * 10)
+
+
 @pytest.fixture
 def capture_sizes():
     """Restores the capture sizes the test found."""

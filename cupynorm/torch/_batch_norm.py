@@ -376,17 +376,22 @@ def _batch_norm_on_kernels(
     residual: Tensor | None = None,
     activation: str | None = None,
     kind: str = "batch_norm",
+    use_kernels: bool | None = None,
 ) -> bool:
     """The checks of a batch norm call (``args``: F.batch_norm's; ``activation`` given: the fused
     op's epilogue too) and whether it runs on cupynorm's kernels. A module's batch counter is
     incremented here, by a torch op, when the call is rejected or goes to torch: as torch's module
-    counts it before its F.batch_norm (the kernels count the calls they run)."""
+    counts it before its F.batch_norm (the kernels count the calls they run). ``use_kernels``:
+    :func:`._route._use_kernels` of the input, when the caller asked it already (it is a probe of
+    the GPU's progress, not asked twice)."""
     input = args[0]
     try:
         _checks.check_tensor(fn, "input", input)
         if activation is not None:
             _checks.check_epilogue(fn, input, residual, activation)
-        kernels = _use_kernels(input, kind) and not inductor_takes("batch_norm")
+        if use_kernels is None:
+            use_kernels = _use_kernels(input, kind)
+        kernels = use_kernels and not inductor_takes("batch_norm")
         if kernels:
             _checks.check_batch_norm(*args)
     except Exception:
@@ -500,7 +505,8 @@ def _batch_norm_route(
     # the eager policy's kind: plain, or fused with an activation or a residual
     plain = residual is None and activation in (None, "identity")
     kind = "batch_norm" if plain else "batch_norm_act"
-    if type(input) is Tensor and _use_kernels(input, kind) and not _traced(input):
+    use_kernels = type(input) is Tensor and _use_kernels(input, kind)
+    if use_kernels and not _traced(input):
         # fmt: off
         y, key = _replay_batch_norm(input, weight, bias, running_mean, running_var, training,
                                     momentum, eps, residual, activation or "identity",
@@ -509,7 +515,8 @@ def _batch_norm_route(
         if y is not None:
             return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind):
+    asked = use_kernels if type(input) is Tensor else None  # else the checks' error first
+    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind, asked):
         y = F.batch_norm(*args)
         if activation is None:
             return y
