@@ -116,8 +116,18 @@ def main() -> None:
         # LayerNorm / RMSNorm: the forward and the one-pass backward in registers (whole packs,
         # several rows per CTA, a partial warp; four packs per thread), the segment passes
         # (unaligned rows), and the short-row kernels (a group of lanes per row; rows walked
-        # grid-stride, idle groups)
-        for shape in ((600, 776), (40, 4104), (9, 1001), (9001, 96), (77, 8), (33, 1024)):
+        # grid-stride, idle groups), and rows longer than a team (the strided statistics, the
+        # tile passes walked tile-major; whole packs and not)
+        long_rows = ((3, (1 << 20) + 8), (2, 1_100_001))
+        for shape in (
+            (600, 776),
+            (40, 4104),
+            (9, 1001),
+            (9001, 96),
+            (77, 8),
+            (33, 1024),
+            *long_rows,
+        ):
             x, dy = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(2))
             w = torch.rand(shape[-1], device="cuda", dtype=dtype)
             for rms in (False, True):
