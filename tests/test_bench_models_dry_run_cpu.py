@@ -572,6 +572,8 @@ def test_decoder_row_dry_run(
         warnings.simplefilter("error")
         converted = trainstep.convert_model(model, tiny)
     assert sum(isinstance(m, getattr(cnt, norm_class)) for m in converted.modules()) == 5
+    # both decoder layers patched (patch_transformers: the add before the norm after attention)
+    assert sum("forward" in vars(m) for m in converted.modules()) == 2
     assert bench.models.count_norm_layers(bench.models.strip_norms(converted)) == 0
     json_path = tmp_path / "llama.json"
     exit_code = main(["bench", "--reps", "2", "--only", name, "--json", str(json_path)])

@@ -60,16 +60,19 @@ _UNET_BLOCKS_AUTOCAST_TITLE = (
 
 _LLAMA_TITLE = (
     "transformers LlamaForCausalLM (random init, 8 layers, hidden 2048, 17 LlamaRMSNorm, vocab "
-    "32000, fed embeddings) training step, bf16, SGD"
+    "32000, fed embeddings; the residual add before each post-attention norm fused into it: "
+    "patch_transformers) training step, bf16, SGD"
 )
 
 _QWEN2_TITLE = (
     "transformers Qwen2ForCausalLM (random init, the Llama row's shape: 8 layers, hidden 2048, 17 "
-    "Qwen2RMSNorm of Llama's formula, vocab 32000, fed embeddings) training step, bf16, SGD"
+    "Qwen2RMSNorm of Llama's formula, vocab 32000, fed embeddings; patch_transformers) training "
+    "step, bf16, SGD"
 )
 _GEMMA_TITLE = (
     "transformers GemmaForCausalLM (random init, the Llama row's shape, head size 128: 17 "
-    "GemmaRMSNorm, (1 + weight) in float32, vocab 32000, fed embeddings) training step, bf16, SGD"
+    "GemmaRMSNorm, (1 + weight) in float32, vocab 32000, fed embeddings; patch_transformers) "
+    "training step, bf16, SGD"
 )
 
 _SD15_UNET_TITLE = (
@@ -214,6 +217,7 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
         # fp64 matmuls: batch 1 shows the same per-token numerics
         accuracy_batch=1,
         convert="llama_rms_norm",
+        patch_transformers=True,
         layers=8,
     ),
     *(
@@ -228,6 +232,7 @@ MODEL_WORKLOADS: tuple[ModelWorkload, ...] = (
             lr=1e-3,
             accuracy_batch=1,  # as the Llama row
             convert=convert,
+            patch_transformers=True,
             layers=8,
         )
         for family, title, convert in (

@@ -96,6 +96,9 @@ class ModelWorkload:
     # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in)
     # or "fuse_layer_norms" (fuse, then the LayerNorms too: a UNet's transformer blocks).
     convert: str = "fuse"
+    # transformers' decoder layers: after `convert`, `cupynorm.torch.patch_transformers` (the
+    # residual add before the norm that follows it, fused into that norm's kernel)
+    patch_transformers: bool = False
     layers: int = 0  # decoder layers of a transformer model (the llama factory)
     # Forward only (a VAE decoding): the step is the forward under torch.no_grad, the model in
     # eval mode; the accuracy check still takes the input gradient of the loss.

@@ -191,13 +191,16 @@ def convert_model(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.M
     """cupynorm's model as the workload says (`ModelWorkload.convert`): `cupynorm.torch.fuse`,
     the norms converted and a BatchNorm2d's following activation and residual add folded into
     it, or transformers' RMSNorm layers (Llama's formula, or every formula of
-    `cupynorm.torch.HF_NORMS`) or the LayerNorm layers converted, or both fuse and the
-    LayerNorms (imported here: it needs torch and registers ops)."""
+    `cupynorm.torch.HF_NORMS`; with `patch_transformers`, the residual adds before a norm fused
+    into it) or the LayerNorm layers converted, or both fuse and the LayerNorms (imported here:
+    it needs torch and registers ops)."""
     cnt = importlib.import_module("cupynorm.torch")
-    if workload.convert == "llama_rms_norm":
-        return cnt.replace_norms(model, include=[cnt.LlamaRMSNorm])
-    if workload.convert == "hf_norms":
-        return cnt.replace_norms(model, include=cnt.HF_NORMS)
+    if workload.convert in ("llama_rms_norm", "hf_norms"):
+        names = [cnt.LlamaRMSNorm] if workload.convert == "llama_rms_norm" else cnt.HF_NORMS
+        model = cnt.replace_norms(model, include=names)
+        if workload.patch_transformers:
+            cnt.patch_transformers(model)
+        return model
     layer_norm = importlib.import_module("torch").nn.LayerNorm
     if workload.convert == "layer_norms":
         return cnt.replace_norms(model, include=[layer_norm])
