@@ -124,7 +124,7 @@ def inductor_takes(kind: str) -> bool:
 EAGER_DEFAULT: Mapping[str, int] = {
     "batch_norm": 1 << 26,  # batch_norm, batch_norm_act with neither residual nor activation
     "batch_norm_act": 1 << 24,  # batch_norm_act with a residual or an activation
-    "group_norm": 1 << 22,  # group_norm on contiguous input (channels_last: the kernels)
+    "group_norm": 1 << 22,  # group_norm but on dense channels_last input (the kernels)
     # always the kernels: given the adaptive choice below at every size (1), the diffusion
     # blocks under fp16 autocast fell to 0.91x eager (H200, 2026-11-27; 1.22x with the kernels,
     # H100, 11-26) while SD-1.5's UNet step went 0.96x -> 1.01x on another host
