@@ -218,6 +218,27 @@ def test_cpu_subcommand_without_launchers(monkeypatch, capsys) -> None:
     assert launches == []  # no launcher at all: the driver is never reached
 
 
+def test_stack_rows_as_json_render_in_results(tmp_path, monkeypatch, capsys) -> None:
+    """`--json` writes the table's rows; `cupynorm report` renders them as RESULTS.md's
+    host-per-layer section, the same table the command printed."""
+    pytest.importorskip("torch")
+    _launch_counter(monkeypatch)
+    path = tmp_path / "stack.json"
+    argv = ["profile", "cpu", "--family", "ln", "--layers", "2", "--steps", "5"]
+    assert main([*argv, "--json", str(path)]) == 0
+    printed = _table(capsys.readouterr().out)
+    import json
+
+    document = json.loads(path.read_text())["stack"]
+    assert document["layers"] == 2 and "launches faked" in document["setup"]
+    assert [(r.family, r.layer) for r in stack.rows_of(document)] == list(printed)
+    out = tmp_path / "RESULTS.md"
+    assert main(["report", "--markdown", str(out), str(path)]) == 0
+    page = out.read_text()
+    assert "## Host per norm layer: stacks of one family" in page and "(stack.json)" in page
+    assert _table(page[page.index("## Host per norm layer") :]) == printed
+
+
 def test_cpu_model(monkeypatch, capsys) -> None:
     pytest.importorskip("torch")
     launches = _launch_counter(monkeypatch)

@@ -48,6 +48,7 @@ class Results:
     models: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     two_gpus: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # profile calls JSON
+    stacks: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # profile stack JSON
     convergence: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # one per model
     timm: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # timm_sweep.py JSON
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
@@ -82,6 +83,9 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
         if isinstance(data, dict) and "setup" in data and "rows" in data:
             results.calls.append((source, data))
             continue
+        if isinstance(data, dict) and isinstance(data.get("stack"), dict):
+            results.stacks.append((source, data["stack"]))
+            continue
         if _is_convergence(data):
             results.convergence.extend((source, result) for result in data.values())
             continue
@@ -91,7 +95,8 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
         if not isinstance(data, dict) or not ("workloads" in data or "models" in data):
             raise ValueError(
                 f"{source}: not a report of `python -m cupynorm bench --json`, rows of "
-                "scripts/bench_sync_batchnorm.py --json, of `profile calls --json`, of "
+                "scripts/bench_sync_batchnorm.py --json, of `profile calls --json` or "
+                "`profile stack --json`, of "
                 "scripts/convergence.py nor of scripts/timm_sweep.py"
             )
         results.runs.append((source, data))
@@ -451,6 +456,29 @@ def _calls_section(results: Results) -> list[str]:
     return lines
 
 
+def _stack_section(results: Results) -> list[str]:
+    from .profile.stack import format_rows, rows_of
+
+    lines = [
+        "## Host per norm layer: stacks of one family",
+        "",
+        "`python -m cupynorm profile stack --json FILE`: a chain of layers of one family on a "
+        "small tensor, forward then backward issued back to back (the autograd engine's fixed "
+        "cost paid once per step, as in a model); per layer over an `nn.Identity` chain: host "
+        "µs of the forward and of the backward (the fastest of several blocks of steps), and "
+        "the kernels' GPU µs, launches and allocations. floor: a bare Python "
+        "`autograd.Function` with a norm's allocations and no kernels; cupynorm: its kernels at "
+        "every size; cupynorm default: the default eager policy (calls this small run torch's "
+        "op). vs torch: torch's forward + backward host µs over the layer's. Host time moves "
+        "with the machine's host: compare rows of one run only.",
+    ]
+    for source, data in results.stacks:
+        date = data.get("date", "").replace("T", " ").replace("+00:00", " UTC")
+        gpu = any(row.get("kernel_us") is not None for row in data["rows"])
+        lines += ["", f"{data['setup']}, {date} ({source}):", "", format_rows(rows_of(data), gpu)]
+    return lines
+
+
 def render(results: Results) -> str:
     """The whole page."""
     lines = _header(results)
@@ -462,6 +490,8 @@ def render(results: Results) -> str:
         lines += ["", *_two_gpu_section(results)]
     if results.calls:
         lines += ["", *_calls_section(results)]
+    if results.stacks:
+        lines += ["", *_stack_section(results)]
     if results.convergence:
         lines += ["", *convergence_section(results)]
     if results.timm:

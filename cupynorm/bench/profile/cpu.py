@@ -227,9 +227,12 @@ def run(args: argparse.Namespace) -> int:
             rows += stack.profile_family(
                 family, args.layers, bench, ("floor", "cupynorm"), cpu=True, cprofile=args.cprofile
             )
-    print(
+    setup = (
         f"{args.layers} layers in a stack on the CPU (float32, launches faked: {args.launches}); "
         "per layer over an nn.Identity stack"
     )
+    print(setup)
     print(stack.format_rows(rows, gpu=False))
+    if args.json:
+        stack.write_json(args.json, setup, args.layers, rows)
     return 0

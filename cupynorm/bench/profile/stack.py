@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
+import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .common import floor_layer_class, format_table, print_cprofile
@@ -352,6 +354,23 @@ def add_arguments(parser: argparse.ArgumentParser, steps: int = 200) -> None:
     parser.add_argument("--layers", type=int, default=50, help="layers in the stack (default 50)")
     parser.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps})")
     parser.add_argument("--cprofile", action="store_true", help="cProfile of cupynorm's stack")
+    parser.add_argument(
+        "--json", metavar="PATH", help="also write the rows as JSON (`cupynorm report` renders it)"
+    )
+
+
+def write_json(path: str, setup: str, layers: int, rows: Sequence[LayerRow]) -> None:
+    """The table's rows as ``{"stack": {"setup", "date", "layers", "rows"}}`` (what
+    :mod:`cupynorm.bench.markdown` renders as RESULTS.md's host-per-layer section)."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    document = {"setup": setup, "date": date, "layers": layers, "rows": [asdict(r) for r in rows]}
+    with open(path, "w") as f:
+        json.dump({"stack": document}, f, indent=1)
+
+
+def rows_of(document: dict[str, Any]) -> list[LayerRow]:
+    """The rows of a :func:`write_json` document."""
+    return [LayerRow(**row) for row in document["rows"]]
 
 
 def chosen_families(names: Sequence[str] | None) -> list[Family]:
@@ -367,10 +386,11 @@ def run(args: argparse.Namespace) -> int:
 
     bench = Bench("cuda", torch.cuda.synchronize, steps=args.steps, gpu_counters=True)
     families = chosen_families(args.family)
-    print(
+    setup = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {args.layers} layers in a "
         f"stack, forward + backward back to back; per layer over an nn.Identity stack"
     )
+    print(setup)
     rows: list[LayerRow] = []
     for family in families:
         layout = " channels_last" if family.channels_last else ""
@@ -386,4 +406,6 @@ def run(args: argparse.Namespace) -> int:
         "vs torch: torch's fwd+bwd host µs / this layer's. GPU µs, launches, allocations: "
         "per layer and step."
     )
+    if args.json:
+        write_json(args.json, setup, args.layers, rows)
     return 0
