@@ -505,7 +505,8 @@ def _batch_norm_route(
     # the eager policy's kind: plain, or fused with an activation or a residual
     plain = residual is None and activation in (None, "identity")
     kind = "batch_norm" if plain else "batch_norm_act"
-    use_kernels = type(input) is Tensor and _use_kernels(input, kind)
+    # asked once (it may probe the GPU's progress); None: not a tensor, the checks' error first
+    use_kernels = _use_kernels(input, kind) if type(input) is Tensor else None
     if use_kernels and not _traced(input):
         # fmt: off
         y, key = _replay_batch_norm(input, weight, bias, running_mean, running_var, training,
@@ -515,8 +516,10 @@ def _batch_norm_route(
         if y is not None:
             return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    asked = use_kernels if type(input) is Tensor else None  # else the checks' error first
-    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind, asked):
+    # fmt: off
+    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind,
+                                  use_kernels):
+        # fmt: on
         y = F.batch_norm(*args)
         if activation is None:
             return y

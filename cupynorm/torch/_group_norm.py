@@ -497,12 +497,9 @@ def _group_norm_route(input, num_groups, weight, bias, eps, activation, shift) -
 # functional API
 # ---------------------------------------------------------------------------------------------
 def _on_kernels(input: Tensor, kind: str) -> bool:
-    """:func:`._route._use_kernels`, but channels_last input stays on the kernels whatever its
+    """:func:`._route._use_kernels`, but dense channels_last input stays on the kernels at any
     size: torch's group norm would give it a contiguous output, the next layer a copy back.
-    Input of other strides (a channel slice of a channels_last tensor, as SHViT normalizes) is
-    copied to a contiguous tensor either way and its output is contiguous: the size decides, as
-    for contiguous input (on the kernels such a call is never replayed: a small one cost more
-    host than torch's, timm's shvit_s1 eager step 0.91x; benchmarks/NOTES.md)."""
+    (Other strides are copied and come out contiguous either way: the size decides.)"""
     return _use_kernels(input, kind) or (
         input.is_cuda
         and _layout(input) not in (None, torch.contiguous_format)
