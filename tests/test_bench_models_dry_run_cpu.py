@@ -18,6 +18,7 @@ from test_bench_models_cpu import MODEL_NAMES
 from cupynorm import bench
 from cupynorm.__main__ import main
 from cupynorm.bench import train, trainstep
+from cupynorm.bench.results import MODEL_IMPLS
 
 # the end-to-end dry run's models (the Llama row has a dry run of its own: transformers' RMSNorm
 # is elementwise torch ops, no norm kernel to count on the CPU; so have the diffusers rows, on
@@ -176,6 +177,7 @@ def models_dry_run(monkeypatch: pytest.MonkeyPatch, frozen_heap):
     monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
     monkeypatch.setattr(train, "ROUNDS", 2)
+    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 2)
     monkeypatch.setattr(train, "PROFILE_STEPS", 1)
     # dynamo traces the models on the CPU; inductor's C++ compile would take minutes
     monkeypatch.setattr(train, "COMPILE_OPTIONS", {"backend": "eager"})
@@ -254,7 +256,9 @@ def test_models_dry_run_end_to_end(
         assert model["host_us_without_norms"] > 0
         assert all(s["host_us_per_norm_layer"] is not None for s in eager)
         compiled = [s for s in model["steps"] if s["mode"] == "compile"]
-        assert all(s["setup_s"] is not None and s["reps"] == train.ROUNDS * 2 for s in compiled)
+        assert all(
+            s["setup_s"] is not None and s["reps"] == train.HOST_PACED_ROUNDS * 2 for s in compiled
+        )
 
 
 @pytest.mark.exhaustive  # ~25 s; the end-to-end dry run covers the eager mode by default
@@ -293,6 +297,38 @@ def test_models_dry_run_every_mode(
         assert reduce_overhead["note"] == "" and reduce_overhead["error"] is None
     # every reduce-overhead step run (setup, warm-up, timed), none of the other modes'
     assert len(marks) >= 2 * 2 * (2 + 2)
+
+
+def test_a_run_stopped_mid_row_keeps_what_it_measured(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The JSON is written after every row and every mode of a model row: a run stopped in a
+    row's graphed mode (a time limit) leaves the rows before it and that row's eager cells, the
+    file marked partial."""
+    models_dry_run()
+    run_pair = train._run_pair_safely
+
+    def stopped_in_the_second_row(base, workload, batch, mode, steps):
+        if workload.name == "gn_blocks_fp16_cl" and mode == "graphed":
+            raise KeyboardInterrupt  # what a kill leaves: nothing written after this
+        return run_pair(base, workload, batch, mode, steps)
+
+    monkeypatch.setattr(train, "_run_pair_safely", stopped_in_the_second_row)
+    monkeypatch.setattr(train, "COMPILED_MODES", ())
+    json_path = tmp_path / "models.json"
+    names = "resnet50_b64_bf16_cl,gn_blocks_fp16_cl"
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "--reps", "2", "--only", names, "--json", str(json_path)])
+    report = json.loads(json_path.read_text())
+    assert report["partial"] is True and report["exit_code"] is None
+    cells = {m["name"]: [(s["mode"], s["impl"]) for s in m["steps"]] for m in report["models"]}
+    assert cells == {
+        "resnet50_b64_bf16_cl": [
+            (mode, impl) for mode in ("eager", "graphed") for impl in MODEL_IMPLS
+        ],
+        "gn_blocks_fp16_cl": [("eager", impl) for impl in MODEL_IMPLS],
+    }
+    assert all(s["ms"] > 0 for m in report["models"] for s in m["steps"])
 
 
 @pytest.mark.parametrize(
@@ -481,7 +517,7 @@ def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.Mon
     _fake_eager_steps(monkeypatch, log)
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
-    monkeypatch.setattr(train, "ROUNDS", 3)
+    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 3)
     results = train._run_pair(None, None, None, "eager", steps=2)
     assert [(r.mode, r.impl, r.error) for r in results] == [
         ("eager", "torch", None),

@@ -283,6 +283,7 @@ def tiny_diffusion_rows(monkeypatch: pytest.MonkeyPatch, frozen_heap):
     monkeypatch.setattr(train, "GRAPH_WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
     monkeypatch.setattr(train, "ROUNDS", 2)
+    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 2)
     monkeypatch.setattr(train, "PROFILE_STEPS", 1)
     monkeypatch.setattr(train, "COMPILED_MODES", ())
     factories = bench.models.MODEL_FACTORIES

@@ -236,6 +236,28 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     results: list[WorkloadResult] = []
     model_results: list[ModelResult] = []
+
+    def report_of(exit_code: int | None, models: list[ModelResult]) -> dict:
+        return results_to_json(
+            results,
+            environment=environment,
+            copy_tbps=copy_tbps,
+            quick=args.quick,
+            exit_code=exit_code,
+            models=models,
+        )
+
+    def write_json(exit_code: int | None, running: ModelResult | None = None) -> None:
+        """The run's JSON so far (``exit_code`` None; a model row in progress: ``running``),
+        or at its end: a run stopped at a time limit keeps every row, and every mode of a
+        model row, that it finished."""
+        report = report_of(exit_code, model_results + ([] if running is None else [running]))
+        if exit_code is None:
+            report["partial"] = True
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+
+    if args.json:
+        context.checkpoint = lambda running: write_json(None, running)
     with warnings.catch_warnings():
         # Seed 002 calls InstanceNorm2d(8192) on (N, 1, 1, 8192): torch warns that C != 8192.
         warnings.filterwarnings("ignore", message="input's size at dim=")
@@ -245,6 +267,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 model_results.append(_run_model(workload, context, counter))
             else:
                 results.append(_run_kernel_workload(workload, context, counter))
+            if args.json:
+                write_json(None)
             try:
                 _release_device_memory()
             except Exception as exc:  # noqa: BLE001 - the next workload reports the failure
@@ -253,23 +277,14 @@ def run_bench(args: argparse.Namespace) -> int:
     failures = [r for r in results if r.failed]
     model_failures = [r for r in model_results if r.failed]
     exit_code = EXIT_FAILED if failures or model_failures else EXIT_OK
-    if args.json or args.markdown:
-        report = results_to_json(
-            results,
-            environment=environment,
-            copy_tbps=copy_tbps,
-            quick=args.quick,
-            exit_code=exit_code,
-            models=model_results,
-        )
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-            _progress(f"wrote {args.json}")
-        if args.markdown:
-            name = Path(args.json).name if args.json else "this run"
-            page = markdown.render(markdown.merge([(name, json.loads(json.dumps(report)))]))
-            Path(args.markdown).write_text(page)
-            _progress(f"wrote {args.markdown}")
+    if args.json:
+        write_json(exit_code)
+        _progress(f"wrote {args.json}")
+    if args.markdown:
+        name = Path(args.json).name if args.json else "this run"
+        report = json.loads(json.dumps(report_of(exit_code, model_results)))
+        Path(args.markdown).write_text(markdown.render(markdown.merge([(name, report)])))
+        _progress(f"wrote {args.markdown}")
     if want_plot and results:
         try:
             plot_results(results, copy_tbps, args.plot)

@@ -152,10 +152,11 @@ def results_to_json(
     environment: dict[str, Any],
     copy_tbps: float | None,
     quick: bool,
-    exit_code: int,
+    exit_code: int | None,
     models: Sequence[ModelResult] = (),
 ) -> dict[str, Any]:
-    """All numbers of a run as a JSON-serializable dict (the models group under "models")."""
+    """All numbers of a run as a JSON-serializable dict (the models group under "models");
+    ``exit_code`` None while the run goes on (the JSON written so far)."""
     gpu_name = str(environment.get("gpu", ""))
     workloads = []
     for result in results:

@@ -40,6 +40,9 @@ class RunContext:
     fixed_reps: int | None
     flush_buffer: Any  # torch.Tensor
     budget: TimingBudget
+    #: called with a model row's result after each of its modes (the bench writes its JSON so
+    #: far: a run stopped at a time limit keeps what it measured)
+    checkpoint: Callable[[Any], None] | None = None
 
 
 def _error_text(exc: BaseException) -> str:

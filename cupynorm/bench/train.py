@@ -31,8 +31,9 @@ For each model workload, in one process, from the same initial weights and on th
    cells and the row go on; `--no-compile` leaves out both compiled modes.
    Step time: the median of several steps, CUDA events around each whole step, after warm-up
    steps (compiling / capturing happens there and is reported apart). In every mode the two
-   steps are built (compiled) together and timed in alternating rounds (`ROUNDS`); should
-   both not fit in device memory at once, and in the graphed mode always
+   steps are built (compiled) together and timed in alternating rounds (`ROUNDS`, and
+   `HOST_PACED_ROUNDS` in the eager and compile modes, which the host paces at small batches);
+   should both not fit in device memory at once, and in the graphed mode always
    (`ONE_GRAPH_AT_A_TIME`), one after the other. In eager mode also:
    GPU kernel time and norm-kernel time per step and kernel launches per norm layer, from
    `torch.profiler` over a few steps; and host time to issue one step (wall time of the Python
@@ -102,6 +103,11 @@ HOST_STEPS = 9  # eager steps whose issue time is measured (median)
 # H200: the same eager code measured 0.54x and 0.86x of torch's step when each was timed in one
 # block; on one H100 two identical compiled graphs 0.79x).
 ROUNDS = 3
+#: Rounds of the eager and compile modes, whose steps the host paces at small batches: its speed
+#: drifts in windows of about a second (convnext_tiny b64 eager, H200, 11-27: 0.85x and 1.07x in
+#: consecutive 20-step windows of the same code), so these modes alternate in more, shorter
+#: windows (`steps` each), for a median that the drift moves less.
+HOST_PACED_ROUNDS = 8
 #: Whole-step graphs are captured, timed and freed one implementation at a time: with two such
 #: graphs alive in one process, replaying the first faults (illegal address) on torch 2.11 /
 #: CUDA 13 (H200, 2026-11-27; two captures of torch's own resnet50 step alike, so not the norm
@@ -325,12 +331,13 @@ def _run_pair(
     steps: int,
 ) -> list[StepResult]:
     """The step of each implementation in `mode`, both built (compiled, captured) first, then
-    timed in `ROUNDS` rounds of `steps` steps that alternate them (reversed every other
-    round): a compiled step is host-paced at small batches as an eager one is, and timed one
-    after the other the second of two identical compiled graphs measured up to 0.79x of the
-    first (resnet50 b64, H100). Eager steps also get their issue times (interleaved alike),
-    peak memory and kernel profile. A cell that fails is that cell's error; the other goes on
-    alone. Raises the device's out-of-memory error when both do not fit at once."""
+    timed in rounds (`ROUNDS`; `HOST_PACED_ROUNDS` in eager and compile mode) of `steps` steps
+    that alternate them (reversed every other round): a compiled step is host-paced at small
+    batches as an eager one is, and timed one after the other the second of two identical
+    compiled graphs measured up to 0.79x of the first (resnet50 b64, H100). Eager steps also
+    get their issue times (interleaved alike), peak memory and kernel profile. A cell that
+    fails is that cell's error; the other goes on alone. Raises the device's out-of-memory
+    error when both do not fit at once."""
     import torch
 
     results = {impl: StepResult(mode=mode, impl=impl) for impl in MODEL_IMPLS}
@@ -355,7 +362,8 @@ def _run_pair(
         order = [impl for impl in MODEL_IMPLS if impl in live]
         return order if index % 2 == 0 else order[::-1]
 
-    for r in range(ROUNDS):
+    rounds = HOST_PACED_ROUNDS if mode in (MODE_EAGER, MODE_COMPILE) else ROUNDS
+    for r in range(rounds):
         for impl in alternating(r):
             try:
                 warmup = WARMUP_STEPS if r == 0 else 1
@@ -501,4 +509,6 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
         for step_result in _run_pair_safely(base, workload, batch, mode, steps):
             _progress(_step_line(step_result))
             result.steps.append(step_result)
+        if context.checkpoint is not None:
+            context.checkpoint(result)
     return result
