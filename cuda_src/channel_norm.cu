@@ -188,30 +188,6 @@ extern "C" __global__ void channel_norm_fwd_rms(
 // at the load would take a register per element, twice the words, and the prefetched tile again.
 template <int V> using ThinPack = typename Select<V == 1, Pack<1>, uint4>::type;
 
-// THIN_STREAM (probe): x loaded and y stored with the streaming cache hint (ld/st.global.cs):
-// each byte is touched once.
-#ifndef THIN_STREAM
-#define THIN_STREAM 0
-#endif
-__device__ __forceinline__ uint4 thin_ld(const uint4* __restrict__ p) {
-#if THIN_STREAM
-    return __ldcs(p);
-#else
-    return *p;
-#endif
-}
-__device__ __forceinline__ Pack<1> thin_ld(const Pack<1>* __restrict__ p) { return *p; }
-template <int V>
-__device__ __forceinline__ void thin_store(scalar_t* __restrict__ p, int64 i, const Pack<V>& v) {
-#if THIN_STREAM
-    if (sizeof(Pack<V>) == 16) {
-        __stcs(reinterpret_cast<uint4*>(p) + i, *reinterpret_cast<const uint4*>(&v));
-        return;
-    }
-#endif
-    store_pack<V>(p, i, v);
-}
-
 __device__ __forceinline__ unsigned thin_word(const uint4& r, int i) {
     return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
 }
@@ -285,7 +261,7 @@ __device__ __forceinline__ void thin_load(ThinPack<V> (&v)[CPT], const scalar_t*
     const int64 row = static_cast<int64>(blockDim.y) * S;
 #pragma unroll
     for (int k = 0; k < CPT; ++k)
-        if (k < kc) v[k] = thin_ld(reinterpret_cast<const ThinPack<V>*>(xc + k * row) + p);
+        if (k < kc) v[k] = reinterpret_cast<const ThinPack<V>*>(xc + k * row)[p];
 }
 
 // One tile from the packs v: the column sums, mean / rstd (N, S) when given, y. n: the sample,
@@ -356,7 +332,7 @@ __device__ __forceinline__ void thin_tile(const ThinPack<V> (&v)[CPT], const acc
         for (int j = 0; j < V; ++j)
             out.v[j] =
                 from_acc<scalar_t>(((thin_elem(v[k], j) - m[j]) - e[j]) * r[j] * w[k] + b[k]);
-        thin_store<V>(yc + k * row, p, out);
+        store_pack<V>(yc + k * row, p, out);
     }
 }
 

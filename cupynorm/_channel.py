@@ -54,6 +54,15 @@ THIN_CPT4_MAX_C = 0
 THIN_ROW_BYTES = 128
 #: narrowest thin tile in packs (a warp of 8 channel rows of 4 packs)
 THIN_MIN_PX = 4
+#: A grid that keeps at least this many CTAs with tiles twice as wide gets them, up to 32 packs
+#: (512 bytes of a channel row per access: fewer, longer runs of each DRAM page). Measured (H200,
+#: 2026-11-28, thin8, CUDA events, L2 flushed, three rounds): KernelBench L1-36 (fp32
+#: 112x64x512x512; 917,504 tiles of 8 packs) 3.975 ms at 8 packs, 3.677 at 16, **3.674 at 32**
+#: (a copy of the tensor 3.509: 95.5% of it; torch.compile 3.95 in the 11-27 bench);
+#: LayerNorm2d(96) bf16 64x96x56x56 (3,136 tiles) 0.038 ms at 8 packs, 0.0525 at 16: small
+#: grids keep the narrow tile.
+#: Streaming cache hints on x and y (ld/st.global.cs; tried, removed) were slower: 4.18 / 3.79 ms.
+THIN_WIDE_MIN_CTAS = 1 << 16
 #: None: thin tiles for C <= THIN_MAX_C; True: wherever they have a plan; False: never
 #: (set by :func:`enable_thin`: the GPU tests and the bench run both forwards)
 thin: bool | None = None
@@ -164,7 +173,8 @@ def plan_thin(
     """The thin tile for N samples of C channels of S pixels, or None when C needs more than
     ``max_threads`` threads or the tiles overflow the kernel's 32-bit tile index. ``px``: the
     tile's width in packs (a power of two <= 32), by default a 128-byte row per warp access,
-    widened when there are few channel rows, narrowed when there are few pixels."""
+    widened when there are few channel rows or very many tiles (``THIN_WIDE_MIN_CTAS``),
+    narrowed when there are few pixels."""
     unit = _plan.vec_width(itemsize) if vectorized else 1
     packs = S // unit
     rows = -(-C // cpt)
@@ -174,6 +184,8 @@ def plan_thin(
             px *= 2
         while px > THIN_MIN_PX and px // 2 >= packs:  # few pixels: a narrower tile
             px //= 2
+        while px < 32 and N * -(-packs // (2 * px)) >= THIN_WIDE_MIN_CTAS:  # huge: wider
+            px *= 2
     cy = _plan.round_up(rows, 32 // px)
     while px * cy > max_threads and px > THIN_MIN_PX:
         px //= 2

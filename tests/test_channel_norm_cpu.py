@@ -230,12 +230,16 @@ def _thin_plan(N, C, S, itemsize, vectorized, rms, cpt=None, max_threads=256):
 
 def test_thin_plan_of_kernelbench_36_and_convnext():
     plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True)
-    # 8 thread rows of 8 packs (64 channels) by 8 packs of 16 bytes: a 128-byte row per access
-    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin8", 8, 8, 8)
-    assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 8 * 1
+    # 8 thread rows of 8 packs (64 channels) by 32 packs of 16 bytes: a 512-byte row per access,
+    # as the grid keeps 229,376 tiles (at least THIN_WIDE_MIN_CTAS)
+    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin8", 8, 32, 8)
+    assert plan.tiles == 512 * 512 // 4 // 32 and plan.smem == 2 * 8 * 32 * 4 * 4
+    plan, cpt = _thin_plan(8, 64, 512 * 512, 4, True, rms=True)  # 16,384 tiles: 128 bytes
+    assert (plan.px, plan.cy, plan.tiles) == (8, 8, 512 * 512 // 4 // 8)
+    assert plan.smem == 2 * 2 * 8 * 4 * 4
     plan, cpt = _thin_plan(112, 64, 512 * 512, 4, True, rms=True, cpt=4)
-    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin4", 4, 8, 16)
-    assert plan.tiles == 512 * 512 // 4 // 8 and plan.smem == 2 * 4 * 8 * 4 * 4
+    assert (plan.kernel, cpt, plan.px, plan.cy) == ("channel_norm_fwd_rms_thin4", 4, 16, 16)
+    assert plan.tiles == 512 * 512 // 4 // 16 and plan.smem == 2 * 8 * 16 * 4 * 4
     plan, _ = _thin_plan(64, 96, 56 * 56, 2, True, rms=False)
     assert (plan.kernel, plan.px, plan.cy) == ("channel_norm_fwd_layer_thin8", 8, 12)
     assert plan.tiles == 49

@@ -190,8 +190,14 @@ THIN_SHAPES = {
     "s15": (2, 64, 3, 5),  # S = 15: no packs, a tile wider than the plane
     "many_tiles": (4, 64, 192, 192),  # more tiles than CTAs resident at once
 }
-#: variant -> THIN_CPT4_MAX_C, or None: the register tiles
-FWD_VARIANTS = {"thin4": 4096, "thin8": 0, "register_tiles": None}
+#: variant -> (THIN_CPT4_MAX_C, THIN_WIDE_MIN_CTAS), or None: the register tiles. thin8_wide:
+#: the widest tiles (up to 32 packs) at any grid size, as huge tensors get them
+FWD_VARIANTS = {
+    "thin4": (4096, None),
+    "thin8": (0, None),
+    "thin8_wide": (0, 1),
+    "register_tiles": None,
+}
 
 
 @pytest.fixture(params=list(FWD_VARIANTS))
@@ -201,7 +207,10 @@ def fwd_variant(request, monkeypatch):
 
     setting = FWD_VARIANTS[request.param]
     if setting is not None:
-        monkeypatch.setattr(_channel, "THIN_CPT4_MAX_C", setting)
+        cpt4_max_c, wide_min_ctas = setting
+        monkeypatch.setattr(_channel, "THIN_CPT4_MAX_C", cpt4_max_c)
+        if wide_min_ctas is not None:
+            monkeypatch.setattr(_channel, "THIN_WIDE_MIN_CTAS", wide_min_ctas)
     _channel.enable_thin(setting is not None)
     yield request.param
     _channel.enable_thin(None)
