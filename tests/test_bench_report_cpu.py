@@ -282,6 +282,19 @@ def test_report_merges_runs_the_later_row_replacing(tmp_path: Path, capsys) -> N
     assert "## Models" not in page and "## Several GPUs" not in page
 
 
+def test_report_names_a_run_stopped_at_a_time_limit(tmp_path: Path, capsys) -> None:
+    """A JSON the bench wrote while it ran (``partial``: stopped before its end) renders its
+    rows, and the header says which file stopped."""
+    stopped = dict(_model_run(), partial=True, exit_code=None)
+    files = [_write(tmp_path, "a.json", _kernel_run()), _write(tmp_path, "m.json", stopped)]
+    assert main(["report", *files]) == 0
+    page = capsys.readouterr().out
+    assert "| stopped | m.json: the run stopped" in page
+    assert ("resnet50_b64_bf16_cl", "graphed") in _rows(_section(page, "## Models"))
+    assert main(["report", files[0]]) == 0
+    assert "| stopped |" not in capsys.readouterr().out
+
+
 def test_report_reads_the_older_files(tmp_path: Path, capsys) -> None:
     """Files written before the JSON carried the goal apart (its text only) and the two-GPU
     script's bare list of rows still render."""

@@ -165,6 +165,12 @@ def _header(results: Results) -> list[str]:
     if any(run.get("quick") for _source, run in results.runs):
         quick = [s for s, run in results.runs if run.get("quick")]
         lines.append(f"| shapes | `--quick` (smaller batches) in {', '.join(quick)} |")
+    partial = [s for s, run in results.runs if run.get("partial")]
+    if partial:
+        lines.append(
+            f"| stopped | {', '.join(partial)}: the run stopped (a time limit) in the row it "
+            "names last; its rows and modes are those it finished |"
+        )
     if results.replaced:
         lines += ["", "Rows measured twice, the later file's kept: " + "; ".join(results.replaced)]
     return lines
