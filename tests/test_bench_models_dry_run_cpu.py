@@ -621,3 +621,38 @@ def test_decoder_row_dry_run(
     assert row["name"] == name and row["error"] is None and row["failure"] is None
     assert row["norm_layers"] == 5 and len(row["steps"]) == 8
     assert all(s["error"] is None and s["ms"] > 0 for s in row["steps"])
+
+
+def test_an_aa_run_times_torchs_model_against_itself(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
+) -> None:
+    """`bench --aa`: each model row named NAME_aa, torch's model on both sides (no cupynorm
+    layer in the timed models), no goal; kernel rows are refused."""
+    torch = pytest.importorskip("torch")
+    models_dry_run()
+    monkeypatch.setattr(train, "COMPILED_MODES", ())
+    built: list[torch.nn.Module] = []
+    convert = trainstep.convert_model
+
+    def converted(model, workload):
+        out = convert(model, workload)
+        built.append(out)
+        return out
+
+    monkeypatch.setattr(train, "convert_model", converted)
+    json_path = tmp_path / "aa.json"
+    argv = ["bench", "--aa", "--reps", "2", "--only", "resnet50_b64_bf16_cl", "--json"]
+    assert main([*argv, str(json_path)]) == 0
+    report = json.loads(json_path.read_text())
+    (row,) = report["models"]
+    assert row["name"] == "resnet50_b64_bf16_cl_aa" and row["title"].startswith("A/A: ")
+    assert row.get("goal_speedup") is None and row["accuracy"]["ok"]
+    assert {(s["mode"], s["impl"]) for s in row["steps"]} == {
+        (mode, impl) for mode in ("eager", "graphed") for impl in MODEL_IMPLS
+    }
+    assert built and not any(
+        type(m).__module__.startswith("cupynorm") for model in built for m in model.modules()
+    )
+    capsys.readouterr()
+    assert main(["bench", "--aa", "--only", "layernorm_bf16"]) == 2
+    assert "--aa runs model rows only" in capsys.readouterr().err

@@ -133,6 +133,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="PATH", help="write a PNG bar chart of TB/s (needs matplotlib)"
     )
     parser.add_argument(
+        "--aa",
+        action="store_true",
+        help=(
+            "A/A run of the model rows: torch's model on both sides, built, compiled and timed "
+            "as the converted one (rows named NAME_aa): how far a cell of identical models moves"
+        ),
+    )
+    parser.add_argument(
         "--no-compile",
         action="store_true",
         help="skip torch.compile (the models group: both compiled modes)",
@@ -203,6 +211,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list:
         print(format_workload_list())
         return EXIT_OK
+    if args.aa:
+        if not all(isinstance(w, ModelWorkload) for w in selected):
+            print("cupynorm bench: --aa runs model rows only (--only models, or ROW names)",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_ENVIRONMENT
+        selected = [w.as_twin() for w in selected]
     torch, problem = _import_torch_with_cuda()
     if torch is None:
         print(f"cupynorm bench: {problem}", file=sys.stderr)

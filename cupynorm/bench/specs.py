@@ -6,7 +6,7 @@ other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 Shape = tuple[int, ...]
@@ -94,7 +94,8 @@ class ModelWorkload:
     # fuse has nothing to fold in a Llama decoder, benchmarks/NOTES.md), "hf_norms"
     # (`replace_norms(include=cupynorm.torch.HF_NORMS)`: every transformers formula), "layer_norms"
     # (`replace_norms(include=[torch.nn.LayerNorm])`: LayerNorm and the LayerNorm2d layers, opt-in)
-    # or "fuse_layer_norms" (fuse, then the LayerNorms too: a UNet's transformer blocks).
+    # or "fuse_layer_norms" (fuse, then the LayerNorms too: a UNet's transformer blocks), or
+    # "none" (torch's model on both sides: `as_twin`).
     convert: str = "fuse"
     # transformers' decoder layers: after `convert`, `cupynorm.torch.patch_transformers` (the
     # residual add before the norm that follows it, fused into that norm's kernel)
@@ -114,6 +115,21 @@ class ModelWorkload:
             return ""
         modes = " and ".join(self.goal_modes)
         return f">= {self.goal_speedup:g}x torch" + (f" ({modes})" if modes else "")
+
+    def as_twin(self) -> ModelWorkload:
+        """This row as an A/A run (`bench --aa`): torch's model on both sides, built, compiled
+        and timed as the converted one would be; named `NAME_aa`, without a goal. Its ratios are
+        what the method resolves for this row: a host-paced cell of identical models moves."""
+        return replace(
+            self,
+            name=f"{self.name}_aa",
+            title=f"A/A: {self.title}; both sides torch's model",
+            convert="none",
+            patch_transformers=False,
+            goal_speedup=None,
+            goal_modes=(),
+            note="",
+        )
 
     def describe_input(self) -> str:
         """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""

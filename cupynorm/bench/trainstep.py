@@ -193,7 +193,9 @@ def convert_model(model: torch.nn.Module, workload: ModelWorkload) -> torch.nn.M
     it, or transformers' RMSNorm layers (Llama's formula, or every formula of
     `cupynorm.torch.HF_NORMS`; with `patch_transformers`, the residual adds before a norm fused
     into it) or the LayerNorm layers converted, or both fuse and the LayerNorms (imported here:
-    it needs torch and registers ops)."""
+    it needs torch and registers ops); "none": the model as it is (an A/A run)."""
+    if workload.convert == "none":  # an A/A run (ModelWorkload.as_twin)
+        return model
     cnt = importlib.import_module("cupynorm.torch")
     if workload.convert in ("llama_rms_norm", "hf_norms"):
         names = [cnt.LlamaRMSNorm] if workload.convert == "llama_rms_norm" else cnt.HF_NORMS
