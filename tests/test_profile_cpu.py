@@ -239,6 +239,30 @@ def test_stack_rows_as_json_render_in_results(tmp_path, monkeypatch, capsys) -> 
     assert _table(page[page.index("## Host per norm layer") :]) == printed
 
 
+def test_gpu_stacks_write_their_json_after_every_family(tmp_path, monkeypatch) -> None:
+    """`profile stack --json` rewrites the file after each family: a run stopped at a time limit
+    (here: in the second family) keeps the families it finished."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    done: list[str] = []
+
+    def profile_family(family, layers, bench, impls, cprofile=False):
+        if done:
+            raise KeyboardInterrupt  # a kill: nothing written after this
+        done.append(family.name)
+        return [stack.LayerRow(family.name, impl, 1.0, 2.0, None, None, None) for impl in impls]
+
+    monkeypatch.setattr(stack, "profile_family", profile_family)
+    path = tmp_path / "stack.json"
+    argv = ["profile", "stack", "--family", "bn", "--family", "ln", "--json", str(path)]
+    with pytest.raises(KeyboardInterrupt):  # the command's body, past its check for a GPU
+        stack.run(build_parser().parse_args(argv))
+    import json
+
+    rows = stack.rows_of(json.loads(path.read_text())["stack"])
+    assert done == ["bn"] and {r.family for r in rows} == {"bn"} and len(rows) == 4
+
+
 def test_cpu_model(monkeypatch, capsys) -> None:
     pytest.importorskip("torch")
     launches = _launch_counter(monkeypatch)

@@ -399,6 +399,8 @@ def run(args: argparse.Namespace) -> int:
               f"{family.dtype}{layout}{amp}", flush=True)  # fmt: skip
         impls = ("floor", "torch", "cupynorm", "cupynorm default")
         rows += profile_family(family, args.layers, bench, impls, cprofile=args.cprofile)
+        if args.json:  # after every family: a run stopped at a time limit keeps them
+            write_json(args.json, setup, args.layers, rows)
     print()
     print(format_rows(rows, gpu=True))
     print(
@@ -406,6 +408,4 @@ def run(args: argparse.Namespace) -> int:
         "vs torch: torch's fwd+bwd host µs / this layer's. GPU µs, launches, allocations: "
         "per layer and step."
     )
-    if args.json:
-        write_json(args.json, setup, args.layers, rows)
     return 0
