@@ -105,8 +105,9 @@ HOST_STEPS = 9  # eager steps whose issue time is measured (median)
 ROUNDS = 3
 #: Rounds of the eager and compile modes, whose steps the host paces at small batches: its speed
 #: drifts in windows of about a second (convnext_tiny b64 eager, H200, 11-27: 0.85x and 1.07x in
-#: consecutive 20-step windows of the same code), so these modes alternate in more, shorter
-#: windows (`steps` each), for a median that the drift moves less.
+#: consecutive 20-step windows of the same code), so these modes alternate in more rounds (of
+#: `steps` steps each), for a median that the drift moves less. It still moves: two copies of
+#: torch's own mobilenetv3 gave 0.94x eager and 0.87x compiled (H200, 11-28; `bench --aa`).
 HOST_PACED_ROUNDS = 8
 #: Whole-step graphs are captured, timed and freed one implementation at a time: with two such
 #: graphs alive in one process, replaying the first faults (illegal address) on torch 2.11 /
