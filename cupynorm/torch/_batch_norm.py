@@ -516,10 +516,10 @@ def _batch_norm_route(
         if y is not None:
             return y
     args = (input, running_mean, running_var, weight, bias, training, momentum, eps)
-    # fmt: off
-    if not _batch_norm_on_kernels(fn, args, batches_tracked, residual, activation, kind,
-                                  use_kernels):
-        # fmt: on
+    on_kernels = _batch_norm_on_kernels(
+        fn, args, batches_tracked, residual, activation, kind, use_kernels
+    )
+    if not on_kernels:
         y = F.batch_norm(*args)
         if activation is None:
             return y

@@ -145,10 +145,7 @@ def _group_norm_act_bwd_cuda(
 
 def _group_norm_fwd(x, num_groups, weight, bias, eps, out_float32=False):
     if x.is_cuda:
-        # fmt: off
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None,
-                                        out_float32)
-        # fmt: on
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, None, None, out_float32)
     return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, out_float32=out_float32)
 
 
@@ -170,10 +167,7 @@ def _group_norm_bwd(dy, x, mean, rstd, weight, num_groups, output_mask):
 
 def _group_norm_act_fwd(x, num_groups, weight, bias, eps, act, shift=None, out_float32=False):
     if x.is_cuda:
-        # fmt: off
-        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift,
-                                        out_float32)
-        # fmt: on
+        return _group_norm_act_fwd_cuda(x, num_groups, weight, bias, eps, act, shift, out_float32)
     return _group_norm_fwd_reference(x, num_groups, weight, bias, eps, act=act, shift=shift,
                                      out_float32=out_float32)  # fmt: skip
 
