@@ -121,6 +121,44 @@ def test_group_norm_act_compiles_fullgraph_on_the_reference_kernels(kernels):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_inductor_hands_the_ops_the_convolutions_layout(kernels, activation):
+    """In an NCHW model Inductor may run the convolutions channels_last; the ops (tagged
+    ``flexible_layout``) take that layout as it is, forward and backward, rather than a copy to
+    the traced NCHW strides and back around every call: their outputs come out channels_last."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    norm = nn.GroupNorm(2, 8) if activation is None else cnt.GroupNormAct(2, 8)
+    nn.init.normal_(norm.weight, generator=g)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), norm, nn.Conv2d(8, 4, 3, padding=1))
+    model = cnt.replace_norms(model)
+    x = torch.randn(2, 4, 6, 6, generator=g, requires_grad=True)
+    expected = model(x)
+    expected.square().sum().backward()
+    expected_grads = (x.grad.clone(), norm.weight.grad.clone())
+    x.grad = norm.weight.grad = None
+
+    compiled = torch.compile(model, fullgraph=True, backend="inductor")
+
+    def step():
+        y = compiled(x)
+        y.square().sum().backward()
+        return y
+
+    with torch._inductor.config.patch(force_layout_optimization=True, fx_graph_cache=False):
+        y, code = run_and_get_code(step)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close((x.grad, model[1].weight.grad), expected_grads)
+    op = "group_norm_fwd" if activation is None else "group_norm_act_fwd"
+    channels_last = "(288, 1, 48, 8)"  # (2, 8, 6, 6) channels_last: y and dx
+    for name in (op, op.replace("_fwd", "_bwd")):
+        lines = [line for c in code for line in c.splitlines() if f"cupynorm.{name}" in line]
+        assert any(channels_last in line for line in lines), (name, lines)
+    torch._dynamo.reset()
+
+
 def test_group_norm_act_module_contract():
     m, ref = cnt.GroupNormAct(3, 6, eps=1e-3), nn.GroupNorm(3, 6, eps=1e-3)
     assert isinstance(m, nn.GroupNorm) and isinstance(m, cnt.GroupNorm)

@@ -369,6 +369,56 @@ def test_group_norm_act_shift_under_autocast():
     torch.testing.assert_close(y, ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+def test_compiled_nchw_block_hands_the_op_channels_last(dtype):
+    """A diffusers-style block (conv, GroupNorm + SiLU with a time-embedding shift, conv) in
+    NCHW compiled by Inductor, which runs the convolutions channels_last: the op takes the
+    convolution's output as it is and returns channels_last (no copy to NCHW and back), forward
+    and backward equal to the eager block."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(3)
+    dt = DTYPES[dtype]
+    block = torch.nn.ModuleDict(
+        {
+            "conv1": torch.nn.Conv2d(32, 64, 3, padding=1),
+            "norm": cnt.GroupNormAct(8, 64),
+            "conv2": torch.nn.Conv2d(64, 32, 3, padding=1),
+        }
+    ).to("cuda", dt)
+
+    def run(x, shift):
+        return block["conv2"](block["norm"](block["conv1"](x), shift))
+
+    x = torch.randn(4, 32, 16, 16, device="cuda", dtype=dt, requires_grad=True)
+    shift = torch.randn(4, 64, device="cuda", dtype=dt, requires_grad=True)
+    eager = run(x, shift)
+    eager.float().square().sum().backward()
+    grads = (x.grad.clone(), shift.grad.clone(), block["norm"].weight.grad.clone())
+    x.grad = shift.grad = block["norm"].weight.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True)
+
+    def step():
+        out = compiled(x, shift)
+        out.float().square().sum().backward()
+        return out
+
+    with torch._inductor.config.patch(force_layout_optimization=True, fx_graph_cache=False):
+        out, code = run_and_get_code(step)
+    # float16: the convolutions' channels_last algorithms round differently from NCHW's
+    factor = 1.0 if dtype == "float64" else 4.0
+    _close(out, eager, dtype, "y", factor)
+    got = (x.grad, shift.grad, block["norm"].weight.grad)
+    for ours, want, what in zip(got, grads, ("dx", "dshift", "dweight"), strict=True):
+        _close(ours, want, dtype, what, factor)
+    channels_last = str((64 * 16 * 16, 1, 16 * 64, 64))
+    for name in ("group_norm_act_fwd", "group_norm_act_bwd"):
+        lines = [line for c in code for line in c.splitlines() if f"cupynorm.{name}" in line]
+        assert any(channels_last in line for line in lines), (name, lines)
+    torch._dynamo.reset()
+
+
 def test_group_norm_act_shift_cuda_graph_and_compile():
     torch.manual_seed(1)
     m = cnt.GroupNormAct(4, 16).cuda()

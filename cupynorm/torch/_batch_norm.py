@@ -74,6 +74,7 @@ batch_norm_fwd_op = _library.define(
     _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
     _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
     _batch_norm_fwd_fake,
+    any_layout=True,
 )
 batch_norm_bwd_op = _library.define(
     "batch_norm_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd, Tensor? weight,"
@@ -81,6 +82,7 @@ batch_norm_bwd_op = _library.define(
     _batch_norm_bwd_cuda,
     _batch_norm_bwd_reference,
     _norm_bwd_fake,
+    any_layout=True,
 )
 batch_norm_act_fwd_op = _library.define(
     "batch_norm_act_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? running_mean,"
@@ -89,6 +91,7 @@ batch_norm_act_fwd_op = _library.define(
     _batch_norm_fwd_op_kernel(_batch_norm_fwd_cuda, into_outputs=True),
     _batch_norm_fwd_op_kernel(_batch_norm_fwd_reference),
     _batch_norm_fwd_fake,
+    any_layout=True,
 )
 batch_norm_act_bwd_op = _library.define(
     "batch_norm_act_bwd(Tensor dy, Tensor x, Tensor save_mean, Tensor save_rstd,"
@@ -97,6 +100,7 @@ batch_norm_act_bwd_op = _library.define(
     _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_cuda),
     _batch_norm_act_bwd_op_kernel(_batch_norm_act_bwd_reference),
     _batch_norm_act_bwd_fake,
+    any_layout=True,
 )
 
 

@@ -129,6 +129,7 @@ channel_norm_fwd_op = _library.define(
     _channel_norm_fwd_cuda,
     _channel_norm_fwd_reference,
     _channel_norm_fwd_fake,
+    any_layout=True,
 )
 channel_norm_bwd_op = _library.define(
     "channel_norm_bwd(Tensor dy, Tensor x, Tensor? mean, Tensor rstd, Tensor? weight,"
@@ -136,6 +137,7 @@ channel_norm_bwd_op = _library.define(
     _channel_norm_bwd_cuda,
     _channel_norm_bwd_reference,
     _channel_norm_bwd_fake,
+    any_layout=True,
 )
 
 

@@ -229,6 +229,7 @@ group_norm_fwd_op = _library.define(
     _group_norm_fwd_cuda,
     _group_norm_fwd_reference_op,
     _group_norm_fwd_fake,
+    any_layout=True,
 )
 group_norm_bwd_op = _library.define(
     "group_norm_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
@@ -236,6 +237,7 @@ group_norm_bwd_op = _library.define(
     _group_norm_bwd_cuda,
     _group_norm_bwd_reference,
     _norm_bwd_fake,
+    any_layout=True,
 )
 group_norm_act_fwd_op = _library.define(
     "group_norm_act_fwd(Tensor x, int num_groups, Tensor? weight, Tensor? bias, float eps,"
@@ -243,6 +245,7 @@ group_norm_act_fwd_op = _library.define(
     _group_norm_act_fwd_cuda,
     _group_norm_act_fwd_reference_op,
     _group_norm_act_fwd_fake,
+    any_layout=True,
 )
 group_norm_act_bwd_op = _library.define(
     "group_norm_act_bwd(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight,"
@@ -251,6 +254,7 @@ group_norm_act_bwd_op = _library.define(
     _group_norm_act_bwd_cuda,
     _group_norm_act_bwd_reference,
     _group_norm_act_bwd_fake,
+    any_layout=True,
 )
 
 

@@ -87,6 +87,7 @@ instance_norm_fwd_op = _library.define(
     _instance_norm_fwd_op_kernel(_instance_norm_fwd_cuda),
     _instance_norm_fwd_op_kernel(_instance_norm_fwd_reference),
     _instance_norm_fwd_fake,
+    any_layout=True,
 )
 
 

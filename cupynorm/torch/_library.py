@@ -27,12 +27,21 @@ import torch
 _lib = torch.library.Library("cupynorm", "FRAGMENT")
 
 
-def define(schema: str, cuda_kernel, cpu_kernel, fake_kernel) -> torch._ops.OpOverload:
+def define(
+    schema: str, cuda_kernel, cpu_kernel, fake_kernel, any_layout: bool = False
+) -> torch._ops.OpOverload:
     """Define the op ``torch.ops.cupynorm.<name>`` of ``schema`` with its CUDA and CPU kernels
     (``Library.impl`` on the device keys: no ``custom_op`` wrapper on the call) and its fake
-    kernel; returns the op's default overload."""
+    kernel; returns the op's default overload.
+
+    ``any_layout``: the kernels take their tensors in any strides and return what the fake
+    kernel says for those strides (the input's memory format, :func:`._tensors._empty_out`), so
+    Inductor may hand the op its tensors in the layout it chose for them. Without the tag a
+    custom op gets the strides it was traced with: in an NCHW model, whose convolutions Inductor
+    runs channels_last, that is a copy of the input to NCHW and of the output back for every
+    call."""
     name = schema[: schema.index("(")]
-    _lib.define(schema)
+    _lib.define(schema, tags=(torch._C.Tag.flexible_layout,) if any_layout else ())
     _lib.impl(name, cuda_kernel, "CUDA")
     _lib.impl(name, cpu_kernel, "CPU")
     torch.library.register_fake(f"cupynorm::{name}", fake_kernel, lib=_lib)
