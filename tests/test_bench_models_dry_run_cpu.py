@@ -492,6 +492,9 @@ def test_graphed_steps_live_one_at_a_time(
     assert most[0] == 1
 
 
+_ROW = bench.MODEL_WORKLOADS_BY_NAME["resnet50_b64_bf16_cl"]  # a row the fake steps ignore
+
+
 def _fake_eager_steps(monkeypatch: pytest.MonkeyPatch, log: list[str], oom: str | None = None):
     """`train._built_step` answering with steps that log their implementation (or raising the
     device's out-of-memory error for `oom`), and a profile with nothing in it."""
@@ -518,7 +521,7 @@ def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.Mon
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
     monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 3)
-    results = train._run_pair(None, None, None, "eager", steps=2)
+    results = train._run_pair(None, _ROW, None, "eager", steps=2)
     assert [(r.mode, r.impl, r.error) for r in results] == [
         ("eager", "torch", None),
         ("eager", "cupynorm", None),
@@ -544,10 +547,32 @@ def test_eager_steps_one_after_the_other_when_both_do_not_fit(
         return bench.StepResult(mode=mode, impl=impl, ms=1.0)
 
     monkeypatch.setattr(train, "_run_step_safely", run_step_safely)
-    results = train._run_pair_safely(None, None, None, "eager", steps=2)
+    results = train._run_pair_safely(None, _ROW, None, "eager", steps=2)
     assert alone == [("eager", "torch"), ("eager", "cupynorm")]
     assert [(r.impl, r.ms) for r in results] == [("torch", 1.0), ("cupynorm", 1.0)]
     assert "timed one after the other" in capsys.readouterr().err
+
+
+def test_cupynorm_first_builds_and_times_cupynorm_first(
+    models_dry_run, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`bench --cupynorm-first`: rows named NAME_cf whose cupynorm model is built first and
+    opens the alternating rounds (the default order reversed); results stay (torch, cupynorm);
+    kernel rows are refused."""
+    models_dry_run()
+    log: list[str] = []
+    _fake_eager_steps(monkeypatch, log)
+    monkeypatch.setattr(train, "WARMUP_STEPS", 1)
+    monkeypatch.setattr(train, "HOST_STEPS", 2)
+    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 2)
+    row = _ROW.built_cupynorm_first()
+    assert row.name == "resnet50_b64_bf16_cl_cf" and row.cupynorm_first
+    results = train._run_pair(None, row, None, "eager", steps=2)
+    assert [r.impl for r in results] == ["torch", "cupynorm"]
+    t, c = "torch", "cupynorm"
+    assert log == [c] * 3 + [t] * 3 + [t] * 3 + [c] * 3 + [c, t, t, c] + [c, t]
+    assert main(["bench", "--cupynorm-first", "--only", "layernorm_bf16"]) == 2
+    assert "--cupynorm-first orders model rows only" in capsys.readouterr().err
 
 
 def test_a_failing_eager_cell_leaves_the_other(
@@ -564,7 +589,7 @@ def test_a_failing_eager_cell_leaves_the_other(
         return real(base, workload, batch, mode, impl, result)
 
     monkeypatch.setattr(train, "_built_step", built_step)
-    torch_result, cupynorm_result = train._run_pair(None, None, None, "eager", steps=2)
+    torch_result, cupynorm_result = train._run_pair(None, _ROW, None, "eager", steps=2)
     assert torch_result.error is None and torch_result.ms is not None
     assert cupynorm_result.error == "ValueError: cannot convert" and cupynorm_result.ms is None
     assert set(log) == {"torch"}

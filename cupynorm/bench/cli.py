@@ -141,6 +141,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument(
+        "--cupynorm-first",
+        action="store_true",
+        help=(
+            "model rows: build and time cupynorm's model first, torch's second (rows named "
+            "NAME_cf; with --aa, the twin first): whether the order of the two moves a cell"
+        ),
+    )
+    parser.add_argument(
         "--no-compile",
         action="store_true",
         help="skip torch.compile (the models group: both compiled modes)",
@@ -217,6 +225,12 @@ def run_bench(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return EXIT_ENVIRONMENT
         selected = [w.as_twin() for w in selected]
+    if args.cupynorm_first:
+        if not all(isinstance(w, ModelWorkload) for w in selected):
+            print("cupynorm bench: --cupynorm-first orders model rows only (--only models, or "
+                  "ROW names)", file=sys.stderr)  # fmt: skip
+            return EXIT_ENVIRONMENT
+        selected = [w.built_cupynorm_first() for w in selected]
     torch, problem = _import_torch_with_cuda()
     if torch is None:
         print(f"cupynorm bench: {problem}", file=sys.stderr)

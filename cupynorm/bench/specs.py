@@ -56,6 +56,9 @@ class Workload:
     goal_text: str = ""  # the relative goal, e.g. "<= eager"
     measure: str = "throughput"  # or "overhead": per-call time of back-to-back calls
     note: str = ""  # what is known to limit the row (the results page shows it beside a miss)
+    # cupynorm's model built (compiled, captured) first and first in the alternating rounds, as
+    # `bench --cupynorm-first` asks (rows named NAME_cf): what the order alone moves
+    cupynorm_first: bool = False
 
     def shapes(self, quick: bool) -> tuple[Shape, ...]:
         """Input shapes for a full or a `--quick` run."""
@@ -107,6 +110,9 @@ class ModelWorkload:
     # The model's output shape where it is not the input's (a decoder's): the mse target's.
     output_shape: Shape | None = None
     note: str = ""  # what is known to limit the row (the results page shows it beside a miss)
+    # cupynorm's model built (compiled, captured) first and first in the alternating rounds, as
+    # `bench --cupynorm-first` asks (rows named NAME_cf): what the order alone moves
+    cupynorm_first: bool = False
 
     @property
     def goal_text(self) -> str:
@@ -130,6 +136,12 @@ class ModelWorkload:
             goal_modes=(),
             note="",
         )
+
+    def built_cupynorm_first(self) -> ModelWorkload:
+        """This row with cupynorm's model built and timed first (`bench --cupynorm-first`),
+        named `NAME_cf`: beside the default order (and with `--aa`, beside the A/A row) it tells
+        whether the order of the two models moves a cell."""
+        return replace(self, name=f"{self.name}_cf", cupynorm_first=True)
 
     def describe_input(self) -> str:
         """`64x3x224x224 float32, bf16 autocast, channels_last`-style text."""

@@ -343,13 +343,14 @@ def _run_pair(
 
     results = {impl: StepResult(mode=mode, impl=impl) for impl in MODEL_IMPLS}
     live: dict[str, Callable[[], object]] = {}
+    impls = _build_order(workload)
 
     def fail(impl: str, exc: Exception) -> None:
         traceback.print_exc(file=sys.stderr)
         results[impl].error = _error_text(exc)
         live.pop(impl, None)
 
-    for impl in MODEL_IMPLS:
+    for impl in impls:
         try:
             live[impl] = _built_step(base, workload, batch, mode, impl, results[impl])
         except torch.cuda.OutOfMemoryError:
@@ -360,7 +361,7 @@ def _run_pair(
     issue: dict[str, list[float]] = {impl: [] for impl in live}
 
     def alternating(index: int) -> list[str]:
-        order = [impl for impl in MODEL_IMPLS if impl in live]
+        order = [impl for impl in impls if impl in live]
         return order if index % 2 == 0 else order[::-1]
 
     rounds = HOST_PACED_ROUNDS if mode in (MODE_EAGER, MODE_COMPILE) else ROUNDS
@@ -412,9 +413,17 @@ def _run_pair_safely(
     _release_memory_reporting_failure()
     if results is None:
         results = [
-            _run_step_safely(base, workload, batch, mode, impl, steps) for impl in MODEL_IMPLS
+            _run_step_safely(base, workload, batch, mode, impl, steps)
+            for impl in _build_order(workload)
         ]
+        results.sort(key=lambda r: MODEL_IMPLS.index(r.impl))
     return results
+
+
+def _build_order(workload: ModelWorkload) -> tuple[str, ...]:
+    """The implementations in the order they are built and first timed: torch's model first,
+    or cupynorm's (`ModelWorkload.cupynorm_first`)."""
+    return MODEL_IMPLS[::-1] if workload.cupynorm_first else MODEL_IMPLS
 
 
 def _run_step_safely(
