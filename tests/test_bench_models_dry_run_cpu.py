@@ -512,15 +512,22 @@ def _fake_eager_steps(monkeypatch: pytest.MonkeyPatch, log: list[str], oom: str 
     )
 
 
-def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both eager steps are timed in rounds that alternate them, reversed every other round, and
-    their issue times are interleaved the same way: host drift within a run reaches both."""
-    models_dry_run()
+def _logged_rounds(monkeypatch: pytest.MonkeyPatch, rounds: int) -> list[str]:
+    """Fake eager steps logging their implementation (:func:`_fake_eager_steps`), timed in
+    `rounds` rounds of one warm-up step and two timed ones, two issue-time samples; the log."""
     log: list[str] = []
     _fake_eager_steps(monkeypatch, log)
     monkeypatch.setattr(train, "WARMUP_STEPS", 1)
     monkeypatch.setattr(train, "HOST_STEPS", 2)
-    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 3)
+    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", rounds)
+    return log
+
+
+def test_eager_steps_alternate_in_rounds(models_dry_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both eager steps are timed in rounds that alternate them, reversed every other round, and
+    their issue times are interleaved the same way: host drift within a run reaches both."""
+    models_dry_run()
+    log = _logged_rounds(monkeypatch, rounds=3)
     results = train._run_pair(None, _ROW, None, "eager", steps=2)
     assert [(r.mode, r.impl, r.error) for r in results] == [
         ("eager", "torch", None),
@@ -560,11 +567,7 @@ def test_cupynorm_first_builds_and_times_cupynorm_first(
     opens the alternating rounds (the default order reversed); results stay (torch, cupynorm);
     kernel rows are refused."""
     models_dry_run()
-    log: list[str] = []
-    _fake_eager_steps(monkeypatch, log)
-    monkeypatch.setattr(train, "WARMUP_STEPS", 1)
-    monkeypatch.setattr(train, "HOST_STEPS", 2)
-    monkeypatch.setattr(train, "HOST_PACED_ROUNDS", 2)
+    log = _logged_rounds(monkeypatch, rounds=2)
     row = _ROW.built_cupynorm_first()
     assert row.name == "resnet50_b64_bf16_cl_cf" and row.cupynorm_first
     results = train._run_pair(None, row, None, "eager", steps=2)
