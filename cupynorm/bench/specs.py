@@ -56,9 +56,6 @@ class Workload:
     goal_text: str = ""  # the relative goal, e.g. "<= eager"
     measure: str = "throughput"  # or "overhead": per-call time of back-to-back calls
     note: str = ""  # what is known to limit the row (the results page shows it beside a miss)
-    # cupynorm's model built (compiled, captured) first and first in the alternating rounds, as
-    # `bench --cupynorm-first` asks (rows named NAME_cf): what the order alone moves
-    cupynorm_first: bool = False
 
     def shapes(self, quick: bool) -> tuple[Shape, ...]:
         """Input shapes for a full or a `--quick` run."""
