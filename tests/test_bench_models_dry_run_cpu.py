@@ -575,7 +575,7 @@ def test_cupynorm_first_builds_and_times_cupynorm_first(
     t, c = "torch", "cupynorm"
     assert log == [c] * 3 + [t] * 3 + [t] * 3 + [c] * 3 + [c, t, t, c] + [c, t]
     assert main(["bench", "--cupynorm-first", "--only", "layernorm_bf16"]) == 2
-    assert "--cupynorm-first orders model rows only" in capsys.readouterr().err
+    assert "--cupynorm-first takes model rows only" in capsys.readouterr().err
 
 
 def test_a_failing_eager_cell_leaves_the_other(
@@ -683,4 +683,4 @@ def test_an_aa_run_times_torchs_model_against_itself(
     )
     capsys.readouterr()
     assert main(["bench", "--aa", "--only", "layernorm_bf16"]) == 2
-    assert "--aa runs model rows only" in capsys.readouterr().err
+    assert "--aa takes model rows only" in capsys.readouterr().err

@@ -219,18 +219,18 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list:
         print(format_workload_list())
         return EXIT_OK
-    if args.aa:
+    # the options that remake the model rows (an A/A twin, the build order): model rows only
+    for option, asked, remake in (
+        ("--aa", args.aa, ModelWorkload.as_twin),
+        ("--cupynorm-first", args.cupynorm_first, ModelWorkload.built_cupynorm_first),
+    ):
+        if not asked:
+            continue
         if not all(isinstance(w, ModelWorkload) for w in selected):
-            print("cupynorm bench: --aa runs model rows only (--only models, or ROW names)",
+            print(f"cupynorm bench: {option} takes model rows only (--only models, or ROW names)",
                   file=sys.stderr)  # fmt: skip
             return EXIT_ENVIRONMENT
-        selected = [w.as_twin() for w in selected]
-    if args.cupynorm_first:
-        if not all(isinstance(w, ModelWorkload) for w in selected):
-            print("cupynorm bench: --cupynorm-first orders model rows only (--only models, or "
-                  "ROW names)", file=sys.stderr)  # fmt: skip
-            return EXIT_ENVIRONMENT
-        selected = [w.built_cupynorm_first() for w in selected]
+        selected = [remake(w) for w in selected]
     torch, problem = _import_torch_with_cuda()
     if torch is None:
         print(f"cupynorm bench: {problem}", file=sys.stderr)
