@@ -374,7 +374,8 @@ def test_compiled_nchw_block_hands_the_op_channels_last(dtype):
     """A diffusers-style block (conv, GroupNorm + SiLU with a time-embedding shift, conv) in
     NCHW compiled by Inductor, which runs the convolutions channels_last: the op takes the
     convolution's output as it is and returns channels_last (no copy to NCHW and back), forward
-    and backward equal to the eager block."""
+    and backward equal to the eager block; the generated code calls the ops' CUDA kernels
+    directly."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(3)
@@ -416,6 +417,7 @@ def test_compiled_nchw_block_hands_the_op_channels_last(dtype):
     for name in ("group_norm_act_fwd", "group_norm_act_bwd"):
         lines = [line for c in code for line in c.splitlines() if f"cupynorm.{name}" in line]
         assert any(channels_last in line for line in lines), (name, lines)
+        assert any(f"cupynorm_kernels.{name}_cuda(" in c for c in code), name
     torch._dynamo.reset()
 
 

@@ -246,7 +246,7 @@ def test_gpu_stacks_write_their_json_after_every_family(tmp_path, monkeypatch) -
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
     done: list[str] = []
 
-    def profile_family(family, layers, bench, impls, cprofile=False):
+    def profile_family(family, layers, bench, impls, cprofile=False, compiled=False):
         if done:
             raise KeyboardInterrupt  # a kill: nothing written after this
         done.append(family.name)
@@ -261,6 +261,23 @@ def test_gpu_stacks_write_their_json_after_every_family(tmp_path, monkeypatch) -
 
     rows = stack.rows_of(json.loads(path.read_text())["stack"])
     assert done == ["bn"] and {r.family for r in rows} == {"bn"} and len(rows) == 4
+
+
+def test_gpu_stacks_compiled_take_the_compiled_layers(monkeypatch) -> None:
+    """`profile stack --compile`: every family's stacks compiled, torch's beside cupynorm's with
+    its kernels called directly and through the op."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    calls = []
+
+    def profile_family(family, layers, bench, impls, cprofile=False, compiled=False):
+        calls.append((family.name, layers, tuple(impls), compiled))
+        return [stack.LayerRow(family.name, impl, 1.0, 2.0, 3.0, 4.0, 5.0) for impl in impls]
+
+    monkeypatch.setattr(stack, "profile_family", profile_family)
+    argv = ["profile", "stack", "--compile", "--family", "gn", "--layers", "20"]
+    assert stack.run(build_parser().parse_args(argv)) == 0
+    assert calls == [("gn", 20, ("torch", "cupynorm", "cupynorm op calls"), True)]
 
 
 def test_cpu_model(monkeypatch, capsys) -> None:

@@ -22,9 +22,17 @@ in place inside the kernel, no copies.
 
 from __future__ import annotations
 
+import functools
+import sys
+import types
+
 import torch
 
 _lib = torch.library.Library("cupynorm", "FRAGMENT")
+
+kernels = types.SimpleNamespace()
+"""Each op's kernels by name and device (``kernels.group_norm_fwd_cuda``): what a compiled graph
+calls (:func:`_direct_call`)."""
 
 
 def define(
@@ -44,10 +52,85 @@ def define(
     _lib.define(schema, tags=(torch._C.Tag.flexible_layout,) if any_layout else ())
     _lib.impl(name, cuda_kernel, "CUDA")
     _lib.impl(name, cpu_kernel, "CPU")
-    torch.library.register_fake(f"cupynorm::{name}", fake_kernel, lib=_lib)
+    setattr(kernels, f"{name}_cuda", cuda_kernel)
+    setattr(kernels, f"{name}_cpu", cpu_kernel)
+
+    @functools.wraps(fake_kernel)
+    def fake(*args, **kwargs):
+        _register_direct_calls()  # tracing: Inductor's code generation may follow
+        return fake_kernel(*args, **kwargs)
+
+    torch.library.register_fake(f"cupynorm::{name}", fake, lib=_lib)
     return getattr(torch.ops.cupynorm, name).default
 
 
 def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> None:
     """A forward op's autograd: ``backward`` (which calls the backward op) and ``setup_context``."""
     torch.library.register_autograd(op.name(), backward, setup_context=setup_context, lib=_lib)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside a compiled graph: the kernel called directly
+# ---------------------------------------------------------------------------------------------
+# Inductor's generated code calls an op it does not lower as `torch.ops.cupynorm.<op>.default(..)`:
+# the dispatcher parses and boxes the arguments into a Python call, and a forward op's Python
+# autograd kernel runs and redispatches though a compiled graph runs without grad. Together ~28
+# of a ~57 us group norm call on an H100 host (benchmarks/NOTES.md), for nothing: the fake kernel
+# checked the call when the graph was traced, and the graph hands the op plain dense tensors. So
+# the generated code calls the op's kernel for its device (`cupynorm_kernels.group_norm_fwd_cuda(
+# ..)`: the function the dispatcher would reach, with the same arguments). Inductor's registry of
+# custom code for extern kernels is private (torch 2.11 to 2.14 have it); without it the
+# generated code keeps the op call.
+_OP_PREFIX = "torch.ops.cupynorm."
+_IMPORT = "from cupynorm.torch._library import kernels as cupynorm_kernels"
+_direct_calls = False
+DIRECT_CALLS = True  # False: the op calls (`profile stack --compile` measures both)
+
+
+def _register_direct_calls() -> None:
+    """Register :func:`_direct_call` as the Python code generation of every cupynorm op, once
+    Inductor is loaded (its import costs ~1 s: never paid for a trace that does not compile)."""
+    global _direct_calls
+    if _direct_calls or "torch._inductor" not in sys.modules:
+        return
+    _direct_calls = True
+    try:
+        from torch._inductor.codegen.custom_extern_kernel_codegen import (
+            CUSTOM_EXTERN_KERNEL_CODEGEN,
+            CustomCodegen,
+        )
+    except ImportError:  # a torch without the registry: the op calls stay
+        return
+    for attr in vars(kernels):
+        name = attr.rsplit("_", 1)[0]
+        CUSTOM_EXTERN_KERNEL_CODEGEN[f"{_OP_PREFIX}{name}.default"] = CustomCodegen(
+            python=_direct_call
+        )
+
+
+def _direct_call(node, writeline) -> None:
+    """Inductor's line for the fallback kernel ``node``: ``buf = cupynorm_kernels.<op>_<device>(
+    args)``; anything but the plain Python wrapper gets Inductor's own line."""
+    from torch._inductor.codegen.wrapper import ExternKernelAllocLine, PythonWrapperCodegen
+    from torch._inductor.virtualized import V
+
+    wrapper = V.graph.wrapper_code
+    root = wrapper
+    while getattr(root, "parent_wrapper", None) is not None:
+        root = root.parent_wrapper  # a subgraph's imports are its parent's
+    device = node.get_device()
+    op = node.python_kernel_name[len(_OP_PREFIX) :].split(".")[0]
+    kernel = f"{op}_{getattr(device, 'type', '')}"
+    if (
+        not DIRECT_CALLS
+        or V.graph.cpp_wrapper
+        or getattr(V.graph, "fx_wrapper", False)
+        or not isinstance(root, PythonWrapperCodegen)
+        or not hasattr(kernels, kernel)
+        or not hasattr(root, "add_import_once")
+    ):
+        writeline(ExternKernelAllocLine(wrapper, node))
+        return
+    root.add_import_once(_IMPORT)
+    args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
+    writeline(f"{node.get_name()} = cupynorm_kernels.{kernel}({args})")

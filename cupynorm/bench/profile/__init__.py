@@ -42,7 +42,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
         return commands.add_parser(name, help=text, description=text)
 
     stack.add_arguments(
-        command("stack", "host µs per norm layer in a stack, torch beside cupynorm (GPU)")
+        command("stack", "host µs per norm layer in a stack, torch beside cupynorm (GPU)"),
+        compiled=True,
     )
     cpu = command("cpu", "the stacks (or --model) on the CPU with faked launches (no GPU)")
     stack.add_arguments(cpu, steps=2000)

@@ -10,6 +10,12 @@ own op: what a user gets). Per layer: host µs of the
 forward and of the backward (the fastest of several blocks of steps), and on a GPU the kernel µs,
 kernel launches and allocations (torch.profiler, the caching allocator's counter). The same
 stacks run on the CPU with faked launches (`profile cpu`).
+
+With `--compile` each stack is compiled whole (`torch.compile(fullgraph=True)`, Inductor):
+torch's layers become Inductor's kernels; cupynorm's (every kind on its kernels) are op calls in
+the generated code, which calls each op's kernel directly ("cupynorm"), or the op through the
+dispatcher ("cupynorm op calls", what the generated code did before): the host µs of an op call
+inside a compiled graph.
 """
 
 from __future__ import annotations
@@ -280,6 +286,30 @@ def per_layer(family: str, layer: str, t: StackTiming, base: StackTiming, layers
     )
 
 
+COMPILED_IMPLS = ("torch", "cupynorm", "cupynorm op calls")
+
+
+@contextlib.contextmanager
+def _compiled_as(impl: str) -> Any:
+    """cupynorm's kernels for every kind inside torch.compile, called directly or through the
+    op ("cupynorm op calls"); Inductor's cache off, so that each stack's code is generated."""
+    import torch
+
+    import cupynorm.torch as cnt
+    from cupynorm.torch import _library
+
+    previous = cnt.set_compile_kernels("all"), _library.DIRECT_CALLS
+    _library.DIRECT_CALLS = impl != "cupynorm op calls"
+    torch._dynamo.reset()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            yield
+    finally:
+        cnt.set_compile_kernels(previous[0])
+        _library.DIRECT_CALLS = previous[1]
+        torch._dynamo.reset()
+
+
 def profile_family(
     family: Family,
     layers: int,
@@ -287,9 +317,14 @@ def profile_family(
     impls: Sequence[str] = ("floor", "torch", "cupynorm"),
     cpu: bool = False,
     cprofile: bool = False,
+    compiled: bool = False,
 ) -> list[LayerRow]:
-    """Every layer kind of `impls` in a stack of `layers`, per layer over the identity stack."""
+    """Every layer kind of `impls` in a stack of `layers`, per layer over the identity stack;
+    `compiled`: each stack compiled whole (:data:`COMPILED_IMPLS`)."""
     import torch
+
+    if compiled:
+        return _profile_compiled(family, layers, bench, impls)
 
     makers: dict[str, Callable[[int], torch.nn.Module]] = {
         "identity": lambda c: torch.nn.Identity(),
@@ -320,6 +355,24 @@ def profile_family(
     return rows
 
 
+def _profile_compiled(
+    family: Family, layers: int, bench: Bench, impls: Sequence[str]
+) -> list[LayerRow]:
+    import torch
+
+    makers = {"identity": lambda c: torch.nn.Identity(), **layer_makers(family.name)}
+    makers["cupynorm op calls"] = makers["cupynorm"]
+    x = make_input(family, bench)
+
+    def timed(impl: str) -> StackTiming:
+        model = torch.compile(build_stack(makers[impl], layers, family, x), fullgraph=True)
+        with _compiled_as(impl):
+            return time_stack(model, x, family, bench)
+
+    base = timed("identity")
+    return [per_layer(family.name, impl, timed(impl), base, layers) for impl in impls]
+
+
 def format_rows(rows: Sequence[LayerRow], gpu: bool) -> str:
     """The table: host µs per layer (forward, backward, both, and torch's over it), and on a GPU
     the kernels, launches and allocations per layer."""
@@ -342,8 +395,10 @@ def format_rows(rows: Sequence[LayerRow], gpu: bool) -> str:
     return format_table(columns, table, left=2)
 
 
-def add_arguments(parser: argparse.ArgumentParser, steps: int = 200) -> None:
-    """Options `stack` and `cpu` share."""
+def add_arguments(
+    parser: argparse.ArgumentParser, steps: int = 200, compiled: bool = False
+) -> None:
+    """Options `stack` and `cpu` share; `compiled`: with `--compile` (`stack`)."""
     parser.add_argument(
         "--family",
         action="append",
@@ -354,6 +409,14 @@ def add_arguments(parser: argparse.ArgumentParser, steps: int = 200) -> None:
     parser.add_argument("--layers", type=int, default=50, help="layers in the stack (default 50)")
     parser.add_argument("--steps", type=int, default=steps, help=f"timed steps (default {steps})")
     parser.add_argument("--cprofile", action="store_true", help="cProfile of cupynorm's stack")
+    if compiled:
+        parser.add_argument(
+            "--compile",
+            action="store_true",
+            help="each stack compiled whole: host µs of a layer inside a compiled graph, "
+            "cupynorm's op calling its kernel directly and through the dispatcher (try "
+            "--layers 20)",
+        )
     parser.add_argument(
         "--json", metavar="PATH", help="also write the rows as JSON (`cupynorm report` renders it)"
     )
@@ -386,9 +449,11 @@ def run(args: argparse.Namespace) -> int:
 
     bench = Bench("cuda", torch.cuda.synchronize, steps=args.steps, gpu_counters=True)
     families = chosen_families(args.family)
+    compiled = getattr(args, "compile", False)
     setup = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {args.layers} layers in a "
-        f"stack, forward + backward back to back; per layer over an nn.Identity stack"
+        f"stack{', compiled whole' if compiled else ''}, forward + backward back to back; per "
+        f"layer over an nn.Identity stack"
     )
     print(setup)
     rows: list[LayerRow] = []
@@ -397,8 +462,11 @@ def run(args: argparse.Namespace) -> int:
         amp = f", {family.autocast} autocast" if family.autocast else ""
         print(f"  {family.name}: {family.title} on {'x'.join(map(str, family.shape))} "
               f"{family.dtype}{layout}{amp}", flush=True)  # fmt: skip
-        impls = ("floor", "torch", "cupynorm", "cupynorm default")
-        rows += profile_family(family, args.layers, bench, impls, cprofile=args.cprofile)
+        impls = COMPILED_IMPLS if compiled else ("floor", "torch", "cupynorm", "cupynorm default")
+        # fmt: off
+        rows += profile_family(family, args.layers, bench, impls, cprofile=args.cprofile,
+                               compiled=compiled)
+        # fmt: on
         if args.json:  # after every family: a run stopped at a time limit keeps them
             write_json(args.json, setup, args.layers, rows)
     print()
