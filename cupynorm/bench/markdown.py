@@ -475,8 +475,11 @@ def _stack_section(results: Results) -> list[str]:
         "the kernels' GPU µs, launches and allocations. floor: a bare Python "
         "`autograd.Function` with a norm's allocations and no kernels; cupynorm: its kernels at "
         "every size; cupynorm default: the default eager policy (calls this small run torch's "
-        "op). vs torch: torch's forward + backward host µs over the layer's. Host time moves "
-        "with the machine's host: compare rows of one run only.",
+        'op). Stacks "compiled whole" (`--compile`): each chain compiled by Inductor, '
+        "every kind on cupynorm's kernels; cupynorm: the generated code calls each op's kernel "
+        "directly; cupynorm op calls: the op through the dispatcher. vs torch: torch's forward "
+        "+ backward host µs over the layer's. Host time moves with the machine's host: compare "
+        "rows of one run only.",
     ]
     for source, data in results.stacks:
         date = data.get("date", "").replace("T", " ").replace("+00:00", " UTC")
