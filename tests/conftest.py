@@ -253,10 +253,11 @@ def _replay_every_recorded_call():
 
 @pytest.fixture(autouse=True, scope="session")
 def _every_norm_on_the_kernels():
-    """The tests check cupynorm's kernels: every call on them, eager and captured at any size
-    (the defaults send small calls to torch's op: tests/test_eager_policy_gpu.py) and inside
-    compiled graphs for every kind (the default leaves some kinds to Inductor:
-    tests/test_policy_cpu.py), restored after the session."""
+    """The tests check cupynorm's kernels: every call on them, eager, captured and compiled at
+    any size (the defaults send small calls to torch's op: tests/test_eager_policy_gpu.py, and
+    to Inductor: tests/test_policy_cpu.py) and inside compiled graphs for every kind (the
+    default leaves some kinds to Inductor: tests/test_policy_cpu.py), restored after the
+    session."""
     try:
         from cupynorm.torch import _policy
     except ImportError:  # no torch
@@ -266,11 +267,13 @@ def _every_norm_on_the_kernels():
         _policy.set_compile_kernels("all"),
         _policy.set_eager_min_bytes(0),
         _policy.set_capture_min_bytes(0),
+        _policy.set_compile_min_bytes(0),
     )
     yield
     _policy.set_compile_kernels(previous[0])
     _policy.set_eager_min_bytes(previous[1])
     _policy.set_capture_min_bytes(previous[2])
+    _policy.set_compile_min_bytes(previous[3])
 
 
 @pytest.fixture(autouse=True)

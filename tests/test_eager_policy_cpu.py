@@ -1,7 +1,9 @@
-"""The size policies' API (cupynorm.torch.set_eager_min_bytes / eager_min_bytes, and
-set_capture_min_bytes / capture_min_bytes for calls inside a CUDA graph capture): parsing, the
-previous choice returned, refusals that change nothing, the environment variables read at
-import. Where the calls go is tested on the GPU (tests/test_eager_policy_gpu.py)."""
+"""The size policies' API (cupynorm.torch.set_eager_min_bytes / eager_min_bytes,
+set_capture_min_bytes / capture_min_bytes for calls inside a CUDA graph capture and
+set_compile_min_bytes / compile_min_bytes inside torch.compile): parsing, the previous choice
+returned, refusals that change nothing, the environment variables read at import. Where the
+calls go is tested on the GPU (tests/test_eager_policy_gpu.py) and, compiled, on the CPU
+(tests/test_policy_cpu.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from cupynorm.torch import _policy  # noqa: E402
 
 
 class Sizes(NamedTuple):
-    """One of the two size policies: eager calls, calls inside a CUDA graph capture."""
+    """One of the size policies: eager calls, calls inside a CUDA graph capture, compiled calls."""
 
     set: Callable
     get: Callable
@@ -41,6 +43,12 @@ SIZES = {
         cnt.capture_min_bytes,
         _policy.CAPTURE_DEFAULT,
         _policy.CAPTURE_ENVIRONMENT,
+    ),
+    "compile": Sizes(
+        cnt.set_compile_min_bytes,
+        cnt.compile_min_bytes,
+        _policy.COMPILE_DEFAULT,
+        _policy.COMPILE_ENVIRONMENT,
     ),
 }
 
@@ -63,11 +71,11 @@ def test_set_returns_the_previous_choice_and_takes_it_back(sizes) -> None:
     assert sizes.get() == before
 
 
-def test_the_two_policies_are_apart(sizes) -> None:
-    other = next(p for p in SIZES.values() if p is not sizes)
-    before = other.get()
+def test_the_policies_are_apart(sizes) -> None:
+    others = [p for p in SIZES.values() if p is not sizes]
+    before = [other.get() for other in others]
     sizes.set(12345)
-    assert other.get() == before
+    assert [other.get() for other in others] == before
 
 
 def test_a_mapping_or_a_string_changes_only_the_kinds_it_names(sizes) -> None:

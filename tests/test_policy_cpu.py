@@ -50,7 +50,44 @@ def test_the_default_keeps_the_group_norm_family_on_the_kernels() -> None:
 def test_eager_calls_never_ask_the_policy(policy) -> None:
     """Outside torch.compile no kind is left to Inductor, whatever the policy."""
     cnt.set_compile_kernels("none")
-    assert not any(policy.inductor_takes(kind) for kind in policy.KINDS)
+    assert not any(policy.inductor_takes(kind, torch.ones(1)) for kind in policy.KINDS)
+
+
+@pytest.fixture
+def compile_sizes():
+    """Restores the compile sizes the test found."""
+    previous = cnt.compile_min_bytes()
+    yield
+    cnt.set_compile_min_bytes(previous)
+
+
+def test_the_default_compile_sizes_leave_small_group_norms_to_inductor() -> None:
+    assert _policy.COMPILE_DEFAULT["group_norm"] == _policy.COMPILE_DEFAULT["group_norm_act"]
+    assert _policy.COMPILE_DEFAULT["group_norm"] == 1 << 22
+    assert {k for k, v in _policy.COMPILE_DEFAULT.items() if v} == {"group_norm", "group_norm_act"}
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_a_compiled_group_norm_under_its_size_is_inductors(
+    kernels, policy, compile_sizes, activation
+) -> None:
+    """A kind on the kernels leaves its calls under the kind's compile size to Inductor
+    (torch's functional call in the graph), and runs the op at and above it; both equal eager."""
+    cnt.set_compile_kernels("default")
+    torch.manual_seed(0)
+    make = cnt.GroupNorm if activation is None else cnt.GroupNormAct
+    norm = make(2, 8)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 8, 4, 4)  # 1 KiB of float32
+    eager = norm(x)
+    op = "group_norm_fwd" if activation is None else "group_norm_act_fwd"
+    kind = "group_norm" if activation is None else "group_norm_act"
+    for size, on_kernels in ((1024, True), (1025, False), (0, True)):
+        cnt.set_compile_min_bytes({kind: size})
+        y, ops = _compiled_graph_ops(norm, x)
+        assert any(op in o for o in ops) == on_kernels, (size, ops)
+        torch.testing.assert_close(y, eager)
+    torch._dynamo.reset()
 
 
 class _Net(torch.nn.Module):

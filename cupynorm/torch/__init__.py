@@ -8,7 +8,8 @@ the GPU keeps up with the host (:func:`set_eager_adaptive`) and, inside a CUDA g
 calls smaller than their kind's capture size (:func:`set_capture_min_bytes`); inside
 ``torch.compile`` BatchNorm, LayerNorm, RMSNorm and the channel norms are traced as torch's
 functional calls for Inductor to fuse, the others are custom ops (``torch.ops.cupynorm.*``) with
-fake kernels and registered autograd (:func:`set_compile_kernels`). Tensors on any other device go
+fake kernels and registered autograd (:func:`set_compile_kernels`) but for calls smaller than
+their kind's compile size (:func:`set_compile_min_bytes`). Tensors on any other device go
 through :mod:`torch.nn.functional`. Importing this package does not need CuPy; the first CUDA
 call does.
 
@@ -32,9 +33,11 @@ from ._hf_norms import (
 from ._policy import (
     capture_min_bytes,
     compile_kernels,
+    compile_min_bytes,
     eager_min_bytes,
     set_capture_min_bytes,
     set_compile_kernels,
+    set_compile_min_bytes,
     set_eager_adaptive,
     set_eager_min_bytes,
 )
@@ -99,6 +102,7 @@ __all__ = [
     "RowNormAddMul",
     "add_layer_norm",
     "capture_min_bytes",
+    "compile_min_bytes",
     "compile_kernels",
     "eager_min_bytes",
     "add_rms_norm",
@@ -118,6 +122,7 @@ __all__ = [
     "row_norm_add_mul",
     "set_compile_kernels",
     "set_capture_min_bytes",
+    "set_compile_min_bytes",
     "set_eager_adaptive",
     "set_eager_min_bytes",
 ]

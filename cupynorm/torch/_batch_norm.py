@@ -395,7 +395,7 @@ def _batch_norm_on_kernels(
             _checks.check_epilogue(fn, input, residual, activation)
         if use_kernels is None:
             use_kernels = _use_kernels(input, kind)
-        kernels = use_kernels and not inductor_takes("batch_norm")
+        kernels = use_kernels and not inductor_takes("batch_norm", input, kind)
         if kernels:
             _checks.check_batch_norm(*args)
     except Exception:

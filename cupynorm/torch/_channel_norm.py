@@ -337,7 +337,7 @@ def layer_norm2d(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm2d", "input", input)
-    if not _use_kernels(input, "channel_norm") or inductor_takes("channel_norm"):
+    if not _use_kernels(input, "channel_norm") or inductor_takes("channel_norm", input):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     # fmt: off
     return _channel_norm_route("layer_norm2d", F.layer_norm, input, weight, bias, eps, False,
@@ -380,7 +380,7 @@ def rms_norm2d(
     if (
         not _use_kernels(input, "channel_norm")
         or (autocast and not _AUTOCAST_RMS_NORM)
-        or inductor_takes("channel_norm")
+        or inductor_takes("channel_norm", input)
     ):
         return _over_channels(F.rms_norm, input, weight, eps)
     # fmt: off

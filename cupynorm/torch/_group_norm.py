@@ -545,7 +545,7 @@ def group_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("group_norm", "input", input)
-    if not _on_kernels(input, "group_norm") or inductor_takes("group_norm"):
+    if not _on_kernels(input, "group_norm") or inductor_takes("group_norm", input):
         return F.group_norm(input, num_groups, weight, bias, eps)
     return _group_norm_route(input, num_groups, weight, bias, eps, None, None)
 
@@ -592,7 +592,9 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
-    if _on_kernels(input, "group_norm_act") and not inductor_takes("group_norm"):
+    if _on_kernels(input, "group_norm_act") and not inductor_takes(
+        "group_norm", input, "group_norm_act"
+    ):
         return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)

@@ -108,7 +108,7 @@ def _kernels_take(x: Tensor, weight: Tensor | None, eps: float, kind: str) -> bo
     a number eps, and no weight or a vector of the row's length of a kernel dtype beside it."""
     return (
         _use_kernels(x, "llama_rms_norm")
-        and not inductor_takes(kind)
+        and not inductor_takes(kind, x, "llama_rms_norm")
         and x.dtype in _KERNEL_DTYPES
         and x.dim() > 0
         and isinstance(eps, (int, float))

@@ -185,7 +185,7 @@ def instance_norm(
         >>> y = cupynorm.torch.instance_norm(x)
     """
     _checks.check_tensor("instance_norm", "input", input)
-    if not _use_kernels(input, "instance_norm") or inductor_takes("instance_norm"):
+    if not _use_kernels(input, "instance_norm") or inductor_takes("instance_norm", input):
         return F.instance_norm(
             input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
         )

@@ -57,7 +57,7 @@ def llama_rms_norm(hidden_states: Tensor, weight: Tensor | None, eps: float = 1e
     x = hidden_states
     if (
         not _use_kernels(x, "llama_rms_norm")
-        or inductor_takes("rms_norm")
+        or inductor_takes("rms_norm", x, "llama_rms_norm")
         or x.dtype not in _LLAMA_KERNEL_DTYPES
         or x.dim() == 0
         or not isinstance(eps, (int, float))

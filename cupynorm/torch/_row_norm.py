@@ -428,7 +428,7 @@ def layer_norm(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm", "input", input)
-    if not _use_kernels(input, "layer_norm") or inductor_takes("layer_norm"):
+    if not _use_kernels(input, "layer_norm") or inductor_takes("layer_norm", input):
         return F.layer_norm(input, normalized_shape, weight, bias, eps)
     # fmt: off
     return _row_norm_route("layer_norm", F.layer_norm, input, None, normalized_shape, weight,
@@ -474,7 +474,7 @@ def rms_norm(
     if (
         not _use_kernels(input, "rms_norm")
         or (autocast and not _AUTOCAST_RMS_NORM)
-        or inductor_takes("rms_norm")
+        or inductor_takes("rms_norm", input)
     ):
         return F.rms_norm(input, normalized_shape, weight, eps)
     # fmt: off
@@ -514,7 +514,7 @@ def add_layer_norm(
     if (
         not _use_kernels(x, "layer_norm")
         or torch.is_autocast_enabled()
-        or inductor_takes("layer_norm")
+        or inductor_takes("layer_norm", x)
     ):
         total = x + residual
         return layer_norm(total, normalized_shape, weight, bias, eps), total
@@ -547,7 +547,11 @@ def add_rms_norm(
     """
     _checks.check_tensor("add_rms_norm", "x", x)
     _checks.check_tensor("add_rms_norm", "residual", residual)
-    if not _use_kernels(x, "rms_norm") or torch.is_autocast_enabled() or inductor_takes("rms_norm"):
+    if (
+        not _use_kernels(x, "rms_norm")
+        or torch.is_autocast_enabled()
+        or inductor_takes("rms_norm", x)
+    ):
         total = x + residual
         return rms_norm(total, normalized_shape, weight, eps), total
     # fmt: off

@@ -178,7 +178,7 @@ def row_norm_add_mul(x: Tensor, y: Tensor, eps: float = 1e-5) -> Tensor:
     """
     _checks.check_tensor("row_norm_add_mul", "x", x)
     _checks.check_row_norm_add_mul(x, y, eps)
-    if not _use_kernels(x, "row_norm_add_mul") or inductor_takes("row_norm_add_mul"):
+    if not _use_kernels(x, "row_norm_add_mul") or inductor_takes("row_norm_add_mul", x):
         xhat = F.layer_norm(x, (x.shape[-1],), eps=eps)
         return (xhat + y) * y
     _checks.check_kernel_inputs("row_norm_add_mul", x, y)

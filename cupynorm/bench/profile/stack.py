@@ -291,14 +291,15 @@ COMPILED_IMPLS = ("torch", "cupynorm", "cupynorm op calls")
 
 @contextlib.contextmanager
 def _compiled_as(impl: str) -> Any:
-    """cupynorm's kernels for every kind inside torch.compile, called directly or through the
-    op ("cupynorm op calls"); Inductor's cache off, so that each stack's code is generated."""
+    """cupynorm's kernels for every kind and size inside torch.compile, called directly or
+    through the op ("cupynorm op calls"); Inductor's cache off, so that each stack's code is
+    generated."""
     import torch
 
     import cupynorm.torch as cnt
     from cupynorm.torch import _library
 
-    previous = cnt.set_compile_kernels("all"), _library.DIRECT_CALLS
+    previous = cnt.set_compile_kernels("all"), cnt.set_compile_min_bytes(0), _library.DIRECT_CALLS
     _library.DIRECT_CALLS = impl != "cupynorm op calls"
     torch._dynamo.reset()
     try:
@@ -306,7 +307,8 @@ def _compiled_as(impl: str) -> Any:
             yield
     finally:
         cnt.set_compile_kernels(previous[0])
-        _library.DIRECT_CALLS = previous[1]
+        cnt.set_compile_min_bytes(previous[1])
+        _library.DIRECT_CALLS = previous[2]
         torch._dynamo.reset()
 
 
