@@ -193,6 +193,17 @@ def _parse_sizes(
     return chosen
 
 
+def _replace_sizes(
+    table: dict[str, int], default: Mapping[str, int], sizes: str | int | Mapping[str, int]
+) -> dict[str, int]:
+    """Update one size policy's ``table`` in place with ``sizes`` (its ``default`` for
+    "default"); returns what it held before. A refused choice changes nothing."""
+    chosen = _parse_sizes(sizes, table, default)
+    previous = dict(table)
+    table.update(chosen)
+    return previous
+
+
 def set_eager_min_bytes(sizes: str | int | Mapping[str, int]) -> dict[str, int]:
     """Choose, per norm kind, the input size (bytes) from which an eager CUDA call runs on
     cupynorm's kernels; smaller calls run torch's own op, whose C++ host path costs less than
@@ -209,10 +220,7 @@ def set_eager_min_bytes(sizes: str | int | Mapping[str, int]) -> dict[str, int]:
         >>> previous = cnt.set_eager_min_bytes(0)      # every eager call on cupynorm's kernels
         >>> cnt.set_eager_min_bytes(previous)
     """
-    chosen = _parse_sizes(sizes)
-    previous = eager_min_bytes()
-    EAGER_MIN_BYTES.update(chosen)
-    return previous
+    return _replace_sizes(EAGER_MIN_BYTES, EAGER_DEFAULT, sizes)
 
 
 def eager_min_bytes() -> dict[str, int]:
@@ -249,10 +257,7 @@ def set_capture_min_bytes(sizes: str | int | Mapping[str, int]) -> dict[str, int
     function takes back. ``sizes`` as :func:`set_eager_min_bytes` takes them (``0``: every
     captured call on the kernels). Eager calls and ``torch.compile`` are not affected.
     """
-    chosen = _parse_sizes(sizes, CAPTURE_MIN_BYTES, CAPTURE_DEFAULT)
-    previous = capture_min_bytes()
-    CAPTURE_MIN_BYTES.update(chosen)
-    return previous
+    return _replace_sizes(CAPTURE_MIN_BYTES, CAPTURE_DEFAULT, sizes)
 
 
 def capture_min_bytes() -> dict[str, int]:
@@ -289,10 +294,7 @@ def set_compile_min_bytes(sizes: str | int | Mapping[str, int]) -> dict[str, int
     on the kernels runs them). Choose before compiling; a graph compiled under one choice
     recompiles when it changes. Eager and captured calls are not affected.
     """
-    chosen = _parse_sizes(sizes, COMPILE_MIN_BYTES, COMPILE_DEFAULT)
-    previous = compile_min_bytes()
-    COMPILE_MIN_BYTES.update(chosen)
-    return previous
+    return _replace_sizes(COMPILE_MIN_BYTES, COMPILE_DEFAULT, sizes)
 
 
 def compile_min_bytes() -> dict[str, int]:
