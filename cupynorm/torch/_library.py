@@ -61,6 +61,8 @@ def define(
         return fake_kernel(*args, **kwargs)
 
     torch.library.register_fake(f"cupynorm::{name}", fake, lib=_lib)
+    _names.append(name)
+    _register_direct_calls([name])
     return getattr(torch.ops.cupynorm, name).default
 
 
@@ -83,29 +85,32 @@ def register_autograd(op: torch._ops.OpOverload, backward, setup_context) -> Non
 # generated code keeps the op call.
 _OP_PREFIX = "torch.ops.cupynorm."
 _IMPORT = "from cupynorm.torch._library import kernels as cupynorm_kernels"
-_direct_calls = False
 DIRECT_CALLS = True  # False: the op calls (`profile stack --compile` measures both)
+_names: list[str] = []  # every op defined
+_registry: tuple = ()  # (Inductor's registry, its entry class) once registered; None: no registry
 
 
-def _register_direct_calls() -> None:
-    """Register :func:`_direct_call` as the Python code generation of every cupynorm op, once
-    Inductor is loaded (its import costs ~1 s: never paid for a trace that does not compile)."""
-    global _direct_calls
-    if _direct_calls or "torch._inductor" not in sys.modules:
-        return
-    _direct_calls = True
-    try:
-        from torch._inductor.codegen.custom_extern_kernel_codegen import (
-            CUSTOM_EXTERN_KERNEL_CODEGEN,
-            CustomCodegen,
-        )
-    except ImportError:  # a torch without the registry: the op calls stay
-        return
-    for attr in vars(kernels):
-        name = attr.rsplit("_", 1)[0]
-        CUSTOM_EXTERN_KERNEL_CODEGEN[f"{_OP_PREFIX}{name}.default"] = CustomCodegen(
-            python=_direct_call
-        )
+def _register_direct_calls(names: list[str] | None = None) -> None:
+    """Register :func:`_direct_call` as the Python code generation of every cupynorm op once
+    Inductor is loaded (its import costs ~1 s: never paid for a trace that does not compile);
+    ``names``: ops defined since, registered if that happened."""
+    global _registry
+    if _registry == ():
+        if "torch._inductor" not in sys.modules:
+            return
+        try:
+            from torch._inductor.codegen.custom_extern_kernel_codegen import (
+                CUSTOM_EXTERN_KERNEL_CODEGEN,
+                CustomCodegen,
+            )
+        except ImportError:  # a torch without the registry: the op calls stay
+            _registry = None
+            return
+        _registry, names = (CUSTOM_EXTERN_KERNEL_CODEGEN, CustomCodegen), _names
+    if _registry and names:
+        table, entry = _registry
+        for name in names:
+            table[f"{_OP_PREFIX}{name}.default"] = entry(python=_direct_call)
 
 
 def _direct_call(node, writeline) -> None:
