@@ -197,6 +197,29 @@ def test_compiled_graph_calls_the_kernels_directly(kernels, activation):
     torch._dynamo.reset()
 
 
+def test_a_failing_direct_call_leaves_inductors_op_call(kernels, monkeypatch):
+    """Where Inductor's private API is not what the direct call expects, the generated code
+    keeps the op call (and says so): the compiled step still runs, equal to eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    from cupynorm.torch import _library
+
+    def broken(*args):
+        raise AttributeError("no such thing")
+
+    monkeypatch.setattr(_library, "_direct_line", broken)
+    torch._dynamo.reset()
+    norm = cnt.GroupNorm(2, 8)
+    x = torch.randn(2, 8, 3, 5)
+    compiled = torch.compile(norm, fullgraph=True, backend="inductor")
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with pytest.warns(UserWarning, match="through the dispatcher.*no such thing"):
+            y, code = run_and_get_code(compiled, x)
+    torch.testing.assert_close(y, norm(x))
+    assert "torch.ops.cupynorm.group_norm_fwd.default(" in "\n".join(code)
+    torch._dynamo.reset()
+
+
 def test_group_norm_act_module_contract():
     m, ref = cnt.GroupNormAct(3, 6, eps=1e-3), nn.GroupNorm(3, 6, eps=1e-3)
     assert isinstance(m, nn.GroupNorm) and isinstance(m, cnt.GroupNorm)

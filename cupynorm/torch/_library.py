@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+import warnings
 
 import torch
 
@@ -113,29 +114,43 @@ def _register_direct_calls(names: list[str] | None = None) -> None:
             table[f"{_OP_PREFIX}{name}.default"] = entry(python=_direct_call)
 
 
-def _direct_call(node, writeline) -> None:
+def _direct_call(node, writeline, *_) -> None:
     """Inductor's line for the fallback kernel ``node``: ``buf = cupynorm_kernels.<op>_<device>(
-    args)``; anything but the plain Python wrapper gets Inductor's own line."""
-    from torch._inductor.codegen.wrapper import ExternKernelAllocLine, PythonWrapperCodegen
+    args)``; Inductor's own line (the op call) for anything but the plain Python wrapper, and
+    with a warning where the private API is not what this expects."""
+    from torch._inductor.codegen.wrapper import ExternKernelAllocLine
     from torch._inductor.virtualized import V
 
     wrapper = V.graph.wrapper_code
+    try:
+        line = _direct_line(node, V.graph, wrapper) if DIRECT_CALLS else None
+    except Exception as error:  # noqa: BLE001 - an Inductor of another shape: the op call
+        line = None
+        warnings.warn(
+            f"cupynorm: Inductor's code calls {node.python_kernel_name} through the dispatcher "
+            f"(the direct call failed: {error!r})",
+            stacklevel=2,
+        )
+    writeline(line if line is not None else ExternKernelAllocLine(wrapper, node))
+
+
+def _direct_line(node, graph, wrapper) -> str | None:
+    """The direct call's line (its import added to the wrapper once), or None where Inductor's
+    own line belongs: the C++ or FX wrapper, a device without a kernel."""
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
     root = wrapper
     while getattr(root, "parent_wrapper", None) is not None:
         root = root.parent_wrapper  # a subgraph's imports are its parent's
-    device = node.get_device()
     op = node.python_kernel_name[len(_OP_PREFIX) :].split(".")[0]
-    kernel = f"{op}_{getattr(device, 'type', '')}"
+    kernel = f"{op}_{getattr(node.get_device(), 'type', '')}"
     if (
-        not DIRECT_CALLS
-        or V.graph.cpp_wrapper
-        or getattr(V.graph, "fx_wrapper", False)
+        graph.cpp_wrapper
+        or getattr(graph, "fx_wrapper", False)
         or not isinstance(root, PythonWrapperCodegen)
         or not hasattr(kernels, kernel)
-        or not hasattr(root, "add_import_once")
     ):
-        writeline(ExternKernelAllocLine(wrapper, node))
-        return
-    root.add_import_once(_IMPORT)
+        return None
     args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
-    writeline(f"{node.get_name()} = cupynorm_kernels.{kernel}({args})")
+    root.add_import_once(_IMPORT)
+    return f"{node.get_name()} = cupynorm_kernels.{kernel}({args})"
