@@ -299,6 +299,26 @@ def test_models_dry_run_every_mode(
     assert len(marks) >= 2 * 2 * (2 + 2)
 
 
+def test_modes_runs_the_modes_it_names(models_dry_run, tmp_path: Path, capsys) -> None:
+    """`--modes compile,graphed`: those two modes of the row, in the run's order, no eager cell
+    and no eager host time; an unknown mode is refused before anything runs."""
+    models_dry_run()
+    json_path = tmp_path / "models.json"
+    argv = ["bench", "--reps", "2", "--only", "gn_blocks_fp16_cl", "--json", str(json_path)]
+    assert main([*argv, "--modes", "compile,graphed"]) == 0
+    out = capsys.readouterr()
+    (model,) = json.loads(json_path.read_text())["models"]
+    assert [(s["mode"], s["impl"]) for s in model["steps"]] == [
+        (mode, impl) for mode in ("graphed", "compile") for impl in MODEL_IMPLS
+    ]
+    assert model["host_us_without_norms"] is None
+    assert "eager host time without norm layers" not in out.err
+    rows = _models_table(out.out)[2:]
+    assert {row[1] for row in rows} == {"graphed", "compile"}
+    assert main([*argv, "--modes", "compile,jit"]) == 2  # bad arguments
+    assert "unknown mode(s) 'jit'" in capsys.readouterr().err
+
+
 def test_a_run_stopped_mid_row_keeps_what_it_measured(
     models_dry_run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

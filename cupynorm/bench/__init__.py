@@ -43,7 +43,8 @@ gradient in fp32 (TF32 off) are compared with torch in float64: cupynorm fails t
 error is above 2x torch's. See `cupynorm.bench.train`. `--aa` runs the chosen model rows with
 torch's model on both sides (rows named NAME_aa): how far a cell of two identical models moves;
 `--cupynorm-first` builds and times cupynorm's model (or the A/A twin) first (rows NAME_cf):
-whether the order of the two moves a cell.
+whether the order of the two moves a cell. `--modes compile,reduce-overhead` (any of eager,
+graphed, compile, reduce-overhead) runs only those modes of the model rows.
 
 Output: one progress line per workload (and every check) on stderr; then notes and a markdown
 table on stdout, last; the models group has a table of its own after the kernel table.

@@ -31,7 +31,7 @@ from .report import (
     plot_results,
     results_to_json,
 )
-from .results import IMPL_CUPYNORM, ModelResult, WorkloadResult
+from .results import IMPL_CUPYNORM, MODES, ModelResult, WorkloadResult
 from .run import (
     RunContext,
     _error_text,
@@ -154,6 +154,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip torch.compile (the models group: both compiled modes)",
     )
     parser.add_argument(
+        "--modes",
+        type=model_modes,
+        metavar="MODES",
+        help=(
+            "model rows: only these modes, a comma list of "
+            + ", ".join(MODES)
+            + " (default: every mode; a slow row's compiled cells alone, say)"
+        ),
+    )
+    parser.add_argument(
         "--reps",
         type=positive_int,
         metavar="N",
@@ -162,6 +172,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
             "models: timed training steps per mode); default: enough to fill a time budget"
         ),
     )
+
+
+def model_modes(text: str) -> tuple[str, ...]:
+    """``--modes``: the model rows' modes named in ``text`` (comma-separated), in run order."""
+    named = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = sorted(named - set(MODES))
+    if unknown or not named:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(map(repr, unknown))}; expected a comma list of "
+            f"{', '.join(MODES)}"
+            if unknown
+            else "no mode named"
+        )
+    return tuple(m for m in MODES if m in named)
 
 
 def build_bench_parser() -> argparse.ArgumentParser:
@@ -257,6 +281,7 @@ def run_bench(args: argparse.Namespace) -> int:
     context = RunContext(
         quick=args.quick,
         compile_enabled=not args.no_compile,
+        model_modes=args.modes,
         fixed_reps=args.reps,
         # whole training steps are not L2-flushed: they are far larger than the L2
         flush_buffer=make_l2_flush_buffer() if needs_flush else None,

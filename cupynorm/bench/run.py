@@ -43,6 +43,9 @@ class RunContext:
     #: called with a model row's result after each of its modes (the bench writes its JSON so
     #: far: a run stopped at a time limit keeps what it measured)
     checkpoint: Callable[[Any], None] | None = None
+    #: the model rows' modes (``--modes``); None: every mode (less the compiled ones without
+    #: ``compile_enabled``)
+    model_modes: tuple[str, ...] | None = None
 
 
 def _error_text(exc: BaseException) -> str:

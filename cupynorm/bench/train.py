@@ -28,7 +28,8 @@ For each model workload, in one process, from the same initial weights and on th
      Inductor declines to graph (an op it cannot capture), it runs the compiled code without
      graphs and says why: the count of such skips is the cell's `note`.
    A mode that cannot run (a capture refused, a compile error) is that cell's error, the other
-   cells and the row go on; `--no-compile` leaves out both compiled modes.
+   cells and the row go on; `--no-compile` leaves out both compiled modes, `--modes` runs the
+   modes it names (the eager host time without norm layers only with the eager mode).
    Step time: the median of several steps, CUDA events around each whole step, after warm-up
    steps (compiling / capturing happens there and is reported apart). In every mode the two
    steps are built (compiled) together and timed in alternating rounds (`ROUNDS`, and
@@ -507,14 +508,23 @@ def run_model_workload(workload: ModelWorkload, context: RunContext) -> ModelRes
     except Exception as exc:  # noqa: BLE001 - e.g. out of memory
         result.error = "setup failed: " + _error_text(exc)
         return result
-    try:
-        result.host_us_without_norms = _host_us_without_norms(base, workload, batch)
-        _progress(f"    eager host time without norm layers: {result.host_us_without_norms:.0f} us")
-    except Exception as exc:  # noqa: BLE001 - the per-layer column stays empty
-        _progress(f"    host time without norm layers failed: {_error_text(exc)}")
-    _release_memory_reporting_failure()
+    modes = [
+        mode
+        for mode in (MODE_EAGER, MODE_GRAPHED, *COMPILED_MODES)
+        if (context.model_modes is None or mode in context.model_modes)
+        and (context.compile_enabled or mode not in COMPILED_MODES)
+    ]
+    if MODE_EAGER in modes:  # the eager cells' host time per norm layer
+        try:
+            result.host_us_without_norms = _host_us_without_norms(base, workload, batch)
+            # fmt: off
+            _progress(f"    eager host time without norm layers: "
+                      f"{result.host_us_without_norms:.0f} us")
+            # fmt: on
+        except Exception as exc:  # noqa: BLE001 - the per-layer column stays empty
+            _progress(f"    host time without norm layers failed: {_error_text(exc)}")
+        _release_memory_reporting_failure()
     steps = context.fixed_reps or (STEPS_QUICK if context.quick else STEPS_FULL)
-    modes = [MODE_EAGER, MODE_GRAPHED] + (list(COMPILED_MODES) if context.compile_enabled else [])
     for mode in modes:
         for step_result in _run_pair_safely(base, workload, batch, mode, steps):
             _progress(_step_line(step_result))
