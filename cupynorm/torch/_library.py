@@ -41,7 +41,9 @@ def define(
 ) -> torch._ops.OpOverload:
     """Define the op ``torch.ops.cupynorm.<name>`` of ``schema`` with its CUDA and CPU kernels
     (``Library.impl`` on the device keys: no ``custom_op`` wrapper on the call) and its fake
-    kernel; returns the op's default overload.
+    kernel; returns the op's default overload. Inductor's generated code calls the kernels
+    directly (:func:`_direct_call`): they take the schema's arguments in order, with its
+    defaults.
 
     ``any_layout``: the kernels take their tensors in any strides and return what the fake
     kernel says for those strides (the input's memory format, :func:`._tensors._empty_out`), so
