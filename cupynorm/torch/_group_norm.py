@@ -592,9 +592,8 @@ def group_norm_act(
         >>> y = cupynorm.torch.group_norm_act(x, 32, shift=temb)  # of x + temb[:, :, None, None]
     """
     _checks.check_tensor("group_norm_act", "input", input)
-    if _on_kernels(input, "group_norm_act") and not inductor_takes(
-        "group_norm", input, "group_norm_act"
-    ):
+    kernels = _on_kernels(input, "group_norm_act")
+    if kernels and not inductor_takes("group_norm", input, "group_norm_act"):
         return _group_norm_route(input, num_groups, weight, bias, eps, activation, shift)
     _checks.check_epilogue("group_norm_act", input, None, activation)
     _checks.check_shift("group_norm_act", input, shift)
