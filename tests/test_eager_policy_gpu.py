@@ -2,9 +2,10 @@
 kind's size an eager call is torch's functional call (outputs, gradients and running statistics
 those of torch's module), from that size on it runs cupynorm's kernels -- while the GPU is behind
 the host (cupynorm.torch.set_eager_adaptive), torch's op while it keeps up; channels_last
-GroupNorm always runs the kernels; inside a CUDA graph capture the capture size alone decides
-(cupynorm.torch.set_capture_min_bytes). The rest of the suite runs with every
-size on the kernels (conftest); each test here sets the sizes it needs and restores them.
+GroupNorm always runs the kernels, a channels_last channel norm follows its row norm's size;
+inside a CUDA graph capture the capture size alone decides (cupynorm.torch.set_capture_min_bytes).
+The rest of the suite runs with every size on the kernels (conftest); each test here sets the
+sizes it needs and restores them.
 """
 
 from __future__ import annotations
@@ -197,6 +198,39 @@ def test_a_channel_slice_of_channels_last_group_norm_follows_the_size(sizes, tor
         torch.testing.assert_close(got[1], expected[1], rtol=tol * 10, atol=tol * 10)
         for g, e in zip(got[2], expected[2], strict=True):
             torch.testing.assert_close(g, e, rtol=tol * 10, atol=tol * 10)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm2d", "rms_norm2d"])
+def test_a_channels_last_channel_norm_follows_its_row_norms_size(
+    rms, sizes, torch_calls, adaptive
+) -> None:
+    """On channels_last input a channel norm is the row norm of the channels-last view: the row
+    norm's size decides, and below it the call is torch's one op on that view (as timm's
+    LayerNorm2d runs it), output channels_last either way; NCHW input, where torch has no single
+    op, keeps the kernels whatever the row norm's size."""
+    adaptive(False)
+    kind, functional = ("rms_norm", "rms_norm") if rms else ("layer_norm", "layer_norm")
+    module = (cnt.RMSNorm2d(16) if rms else cnt.LayerNorm2d(16)).cuda()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16, 9, 7, device="cuda").to(memory_format=torch.channels_last)
+    rows = x.permute(0, 2, 3, 1)
+    args = (module.weight, module.eps) if rms else (module.weight, module.bias, module.eps)
+    expected = getattr(F, functional)(rows, (16,), *args).permute(0, 3, 1, 2)
+    for size, on_kernels in ((x.numel() * x.element_size() + 1, False), (0, True)):
+        sizes({kind: size, "channel_norm": 0})
+        torch_calls.clear()
+        y = module(x)
+        assert (functional not in torch_calls) is on_kernels
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    sizes({kind: 1 << 40})
+    torch_calls.clear()
+    y = module(x.contiguous())
+    assert functional not in torch_calls
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture

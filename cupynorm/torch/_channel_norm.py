@@ -251,6 +251,17 @@ def _over_channels(fn, input: Tensor, *args) -> Tensor:
     return y.contiguous(memory_format=fmt)
 
 
+def _size_kind(input: Tensor, row_kind: str) -> str:
+    """The kind whose eager and capture sizes decide a channel norm call
+    (:mod:`._policy`): on channels_last (or one-pixel) input the call is the row norm of the
+    channels-last view on the kernels, and torch's route is that same single op
+    (:func:`_over_channels`), so the row norm's (``row_kind``) decides; NCHW input, where torch
+    has no single op, is the channel norms' own."""
+    if input.dim() >= 2 and input.movedim(1, -1).is_contiguous():
+        return row_kind
+    return "channel_norm"
+
+
 def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float32) -> Tensor:
     """The route of a channel norm call on cupynorm's kernels (``eps`` None: RMSNorm's default).
     On channels_last (or one-pixel) input the kernels normalize the contiguous (N, *spatial, C)
@@ -337,7 +348,9 @@ def layer_norm2d(
         >>> y.sum().backward()
     """
     _checks.check_tensor("layer_norm2d", "input", input)
-    if not _use_kernels(input, "channel_norm") or inductor_takes("channel_norm", input):
+    if not _use_kernels(input, _size_kind(input, "layer_norm")) or inductor_takes(
+        "channel_norm", input
+    ):
         return _over_channels(F.layer_norm, input, weight, bias, eps)
     # fmt: off
     return _channel_norm_route("layer_norm2d", F.layer_norm, input, weight, bias, eps, False,
@@ -378,7 +391,7 @@ def rms_norm2d(
     _checks.check_tensor("rms_norm2d", "input", input)
     autocast = torch.is_autocast_enabled()
     if (
-        not _use_kernels(input, "channel_norm")
+        not _use_kernels(input, _size_kind(input, "rms_norm"))
         or (autocast and not _AUTOCAST_RMS_NORM)
         or inductor_takes("channel_norm", input)
     ):

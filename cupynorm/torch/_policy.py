@@ -142,7 +142,9 @@ EAGER_DEFAULT: Mapping[str, int] = {
     "layer_norm": 1 << 27,  # layer_norm, add_layer_norm
     "rms_norm": 1 << 27,  # rms_norm, add_rms_norm
     "llama_rms_norm": 0,  # transformers' formulas (cupynorm.torch.HF_NORMS): several torch ops each
-    "channel_norm": 0,  # layer_norm2d, rms_norm2d: torch has no single op for them
+    # layer_norm2d, rms_norm2d on NCHW input: torch has no single op for them (channels_last
+    # input is the row norm of its channels-last view: the row norms' sizes decide)
+    "channel_norm": 0,
     "row_norm_add_mul": 0,
 }
 EAGER_ENVIRONMENT = "CUPYNORM_EAGER_MIN_BYTES"
