@@ -61,27 +61,36 @@ def compile_sizes():
     cnt.set_compile_min_bytes(previous)
 
 
-def test_the_default_compile_sizes_leave_small_group_norms_to_inductor() -> None:
-    assert _policy.COMPILE_DEFAULT["group_norm"] == _policy.COMPILE_DEFAULT["group_norm_act"]
-    assert _policy.COMPILE_DEFAULT["group_norm"] == 1 << 22
-    assert {k for k, v in _policy.COMPILE_DEFAULT.items() if v} == {"group_norm", "group_norm_act"}
+def test_the_default_compile_sizes_leave_small_group_and_instance_norms_to_inductor() -> None:
+    sizes = _policy.COMPILE_DEFAULT
+    assert sizes["group_norm"] == sizes["group_norm_act"] == 1 << 22
+    assert sizes["instance_norm"] == 1 << 25
+    assert {k for k, v in sizes.items() if v} == {"group_norm", "group_norm_act", "instance_norm"}
 
 
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_a_compiled_group_norm_under_its_size_is_inductors(
-    kernels, policy, compile_sizes, activation
-) -> None:
+# module, its forward op, its kind
+_SIZED = {
+    "group_norm": (lambda: cnt.GroupNorm(2, 8), "group_norm_fwd", "group_norm"),
+    "group_norm_act": (lambda: cnt.GroupNormAct(2, 8), "group_norm_act_fwd", "group_norm_act"),
+    "instance_norm": (
+        lambda: cnt.InstanceNorm2d(8, affine=True),
+        "group_norm_fwd",  # without running statistics: the group norm of one channel a group
+        "instance_norm",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SIZED))
+def test_a_compiled_norm_under_its_size_is_inductors(kernels, policy, compile_sizes, case) -> None:
     """A kind on the kernels leaves its calls under the kind's compile size to Inductor
     (torch's functional call in the graph), and runs the op at and above it; both equal eager."""
     cnt.set_compile_kernels("default")
     torch.manual_seed(0)
-    make = cnt.GroupNorm if activation is None else cnt.GroupNormAct
-    norm = make(2, 8)
+    make, op, kind = _SIZED[case]
+    norm = make()
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(2, 8, 4, 4)  # 1 KiB of float32
     eager = norm(x)
-    op = "group_norm_fwd" if activation is None else "group_norm_act_fwd"
-    kind = "group_norm" if activation is None else "group_norm_act"
     for size, on_kernels in ((1024, True), (1025, False), (0, True)):
         cnt.set_compile_min_bytes({kind: size})
         y, ops = _compiled_graph_ops(norm, x)

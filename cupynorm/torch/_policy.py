@@ -275,12 +275,18 @@ def capture_min_bytes() -> dict[str, int]:
 # GPU µs by torch.profiler, Inductor / cupynorm): GroupNorm(32) + SiLU 8x1280x8x8 (1.25 MiB)
 # 15.7 / 27.5, 8x1280x16x16 (5 MiB) 35.2 / 32.0, 8x640x32x32 (10 MiB) 71.0 / 46.5, 8x320x64x64
 # (20 MiB) 138.4 / 80.7, 8x64x14x14 (0.19 MiB) 8.6 / 12.3; GroupNorm(32) 8x64x14x14 8.3 / 10.5,
-# 8x1280x8x8 11.8 / 25.3. The other kinds on the kernels by default were not measured small.
+# 8x1280x8x8 11.8 / 25.3. InstanceNorm2d(affine) fp16 under autocast (H200, 2026-11-28, same
+# method): 8x64x14x14 (0.19 MiB) 24.5 / 30.5, 8x64x32x32 (1 MiB) 20.9 / 24.4, 8x128x64x64
+# (8 MiB) 52.3 / 53.8, 8x64x128x128 (16 MiB) 88.0 / 92.3, 8x64x256x256 (64 MiB) 371.7 / 357.8:
+# the kernels pass Inductor between 16 and 64 MiB. row_norm_add_mul (fp32, rows of 768-4096)
+# stays on the kernels at every size: its forward alone is 2.2x Inductor's (the kernel bench),
+# its forward + backward 7-20% slower (1.5-128 MiB), a training use not seen in a model.
 #: kind -> the input size in bytes from which a compiled call of a kind on the kernels runs them
 COMPILE_DEFAULT: Mapping[str, int] = {
     **dict.fromkeys(EAGER_DEFAULT, 0),
     "group_norm": 1 << 22,
     "group_norm_act": 1 << 22,
+    "instance_norm": 1 << 25,
 }
 COMPILE_ENVIRONMENT = "CUPYNORM_COMPILE_MIN_BYTES"
 # kind -> bytes; changed in place (read while tracing: Dynamo guards on it)
