@@ -282,6 +282,34 @@ def test_report_merges_runs_the_later_row_replacing(tmp_path: Path, capsys) -> N
     assert "## Models" not in page and "## Several GPUs" not in page
 
 
+def test_report_merges_a_model_row_by_mode(tmp_path: Path, capsys) -> None:
+    """A later run of some modes only (``bench --modes``) replaces those and keeps the earlier
+    file's other modes; the row names both files. A later run of every mode replaces the row."""
+    first = dict(_model_run(), date="2026-11-27T10:00:00+00:00")
+    compiled = dict(_model_run(), date="2026-11-28T10:00:00+00:00")
+    resnet = dict(compiled["models"][0])
+    resnet["steps"] = [
+        dict(step, ms=step["ms"] / 2) for step in resnet["steps"] if step["mode"] == "compile"
+    ]
+    compiled["models"] = [resnet]
+    files = [_write(tmp_path, "a.json", first), _write(tmp_path, "b.json", compiled)]
+    assert main(["report", *files]) == 0
+    page = capsys.readouterr().out
+    rows = _rows(_section(page, "## Models"))
+    name = "resnet50_b64_bf16_cl"
+    assert [mode for n, mode in rows if n == name] == [*markdown._MODE_ORDER]
+    assert rows[name, "compile"][2:4] == ["8.75", "15"]  # b.json's
+    assert rows[name, "eager"][2:4] == ["18", "20"]  # a.json's
+    assert f"{name}, compile (a.json -> b.json)" in page
+    assert "(measured: 2026-11-27, a.json; 2026-11-28, b.json)" in page
+    files.append(_write(tmp_path, "c.json", first))
+    assert main(["report", *files]) == 0
+    page = capsys.readouterr().out
+    assert rows[name, "compile"] != _rows(_section(page, "## Models"))[name, "compile"]
+    assert f"{name} (b.json -> c.json)" in page
+    assert "(measured: 2026-11-27, c.json)" in page
+
+
 def test_report_names_a_run_stopped_at_a_time_limit(tmp_path: Path, capsys) -> None:
     """A JSON the bench wrote while it ran (``partial``: stopped before its end) renders its
     rows, and the header says which file stopped."""

@@ -52,6 +52,8 @@ class Results:
     convergence: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # one per model
     timm: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # timm_sweep.py JSON
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
+    # model name -> the files its modes came from, when more than one (merged by mode)
+    model_sources: dict[str, list[str]] = field(default_factory=dict)
 
 
 def _is_sync_rows(data: Any) -> bool:
@@ -100,12 +102,36 @@ def merge(documents: Sequence[tuple[str, Any]]) -> Results:
                 "scripts/convergence.py nor of scripts/timm_sweep.py"
             )
         results.runs.append((source, data))
-        for key, rows in (("workloads", results.kernels), ("models", results.models)):
-            for row in data.get(key) or []:
-                if row["name"] in rows:
-                    results.replaced.append(f"{row['name']} ({rows[row['name']][0]} -> {source})")
-                rows[row["name"]] = (source, row)
+        for row in data.get("workloads") or []:
+            if row["name"] in results.kernels:
+                earlier = results.kernels[row["name"]][0]
+                results.replaced.append(f"{row['name']} ({earlier} -> {source})")
+            results.kernels[row["name"]] = (source, row)
+        for row in data.get("models") or []:
+            _merge_model(results, source, row)
     return results
+
+
+def _merge_model(results: Results, source: str, row: dict[str, Any]) -> None:
+    """A model row into ``results``: a row measured before keeps the modes this one did not
+    run (``bench --modes``), the later file's steps and details replace the rest."""
+    name = row["name"]
+    if name not in results.models:
+        results.models[name] = (source, row)
+        return
+    earlier_source, earlier = results.models[name]
+    modes = {step["mode"] for step in row.get("steps") or []}
+    kept = [step for step in earlier.get("steps") or [] if step["mode"] not in modes]
+    if not kept or row.get("skipped") or earlier.get("skipped"):
+        results.replaced.append(f"{name} ({earlier_source} -> {source})")
+        results.model_sources.pop(name, None)
+        results.models[name] = (source, row)
+        return
+    ordered = [m for m in _MODE_ORDER if m in modes] + sorted(modes - set(_MODE_ORDER))
+    results.replaced.append(f"{name}, {' and '.join(ordered)} ({earlier_source} -> {source})")
+    sources = results.model_sources.get(name, [earlier_source])
+    results.model_sources[name] = [*sources, source]
+    results.models[name] = (source, {**row, "steps": kept + list(row.get("steps") or [])})
 
 
 def load(paths: Sequence[str | Path]) -> Results:
@@ -331,7 +357,11 @@ def _model_section(results: Results) -> list[str]:
                "peak MiB cupynorm", "goal / why")  # fmt: skip
     dates = {source: str(run.get("date", ""))[:10] for source, run in results.runs}
     titles = [
-        f"- `{n}`: {m.get('title', '')} (measured: {', '.join(filter(None, (dates[s], s)))})"
+        f"- `{n}`: {m.get('title', '')} (measured: "
+        + "; ".join(
+            ", ".join(filter(None, (dates[f], f))) for f in results.model_sources.get(n, [s])
+        )
+        + ")"
         for n, (s, m) in results.models.items()
     ]
     return [
