@@ -308,6 +308,19 @@ def test_report_merges_a_model_row_by_mode(tmp_path: Path, capsys) -> None:
     assert rows[name, "compile"] != _rows(_section(page, "## Models"))[name, "compile"]
     assert f"{name} (b.json -> c.json)" in page
     assert "(measured: 2026-11-27, c.json)" in page
+    # a file whose modes were all measured again later is no longer named
+    eager = dict(
+        first, models=[dict(resnet, steps=[dict(st, mode="eager") for st in resnet["steps"]])]
+    )
+    files = [files[0], files[1], _write(tmp_path, "d.json", eager)]
+    assert main(["report", *files]) == 0
+    page = capsys.readouterr().out
+    assert "(measured: 2026-11-27, a.json; 2026-11-28, b.json; 2026-11-27, d.json)" in page
+    files.append(_write(tmp_path, "e.json", compiled))
+    assert main(["report", *files]) == 0
+    assert "(measured: 2026-11-27, a.json; 2026-11-27, d.json; 2026-11-28, e.json)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_report_names_a_run_stopped_at_a_time_limit(tmp_path: Path, capsys) -> None:

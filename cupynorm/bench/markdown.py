@@ -52,8 +52,8 @@ class Results:
     convergence: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # one per model
     timm: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # timm_sweep.py JSON
     replaced: list[str] = field(default_factory=list)  # "name (a.json -> b.json)"
-    # model name -> the files its modes came from, when more than one (merged by mode)
-    model_sources: dict[str, list[str]] = field(default_factory=dict)
+    # model name -> mode -> the file it came from (rows merged by mode: `bench --modes`)
+    model_modes: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 def _is_sync_rows(data: Any) -> bool:
@@ -116,22 +116,28 @@ def _merge_model(results: Results, source: str, row: dict[str, Any]) -> None:
     """A model row into ``results``: a row measured before keeps the modes this one did not
     run (``bench --modes``), the later file's steps and details replace the rest."""
     name = row["name"]
-    if name not in results.models:
-        results.models[name] = (source, row)
-        return
-    earlier_source, earlier = results.models[name]
-    modes = {step["mode"] for step in row.get("steps") or []}
-    kept = [step for step in earlier.get("steps") or [] if step["mode"] not in modes]
-    if not kept or row.get("skipped") or earlier.get("skipped"):
+    steps = list(row.get("steps") or [])
+    modes = {step["mode"] for step in steps}
+    if name in results.models:
+        earlier_source, earlier = results.models[name]
+        kept = [step for step in earlier.get("steps") or [] if step["mode"] not in modes]
+        if kept and not row.get("skipped") and not earlier.get("skipped"):
+            ordered = [m for m in _MODE_ORDER if m in modes] + sorted(modes - set(_MODE_ORDER))
+            results.replaced.append(
+                f"{name}, {' and '.join(ordered)} ({earlier_source} -> {source})"
+            )
+            results.model_modes[name].update(dict.fromkeys(modes, source))
+            results.models[name] = (source, {**row, "steps": kept + steps})
+            return
         results.replaced.append(f"{name} ({earlier_source} -> {source})")
-        results.model_sources.pop(name, None)
-        results.models[name] = (source, row)
-        return
-    ordered = [m for m in _MODE_ORDER if m in modes] + sorted(modes - set(_MODE_ORDER))
-    results.replaced.append(f"{name}, {' and '.join(ordered)} ({earlier_source} -> {source})")
-    sources = results.model_sources.get(name, [earlier_source])
-    results.model_sources[name] = [*sources, source]
-    results.models[name] = (source, {**row, "steps": kept + list(row.get("steps") or [])})
+    results.model_modes[name] = dict.fromkeys(modes, source)
+    results.models[name] = (source, row)
+
+
+def _model_sources(results: Results, name: str, source: str) -> list[str]:
+    """The files a model row's modes came from, in the order they were read."""
+    used = set(results.model_modes.get(name, {}).values()) or {source}
+    return [s for s in dict.fromkeys(results.sources) if s in used]
 
 
 def load(paths: Sequence[str | Path]) -> Results:
@@ -358,9 +364,7 @@ def _model_section(results: Results) -> list[str]:
     dates = {source: str(run.get("date", ""))[:10] for source, run in results.runs}
     titles = [
         f"- `{n}`: {m.get('title', '')} (measured: "
-        + "; ".join(
-            ", ".join(filter(None, (dates[f], f))) for f in results.model_sources.get(n, [s])
-        )
+        + "; ".join(", ".join(filter(None, (dates[f], f))) for f in _model_sources(results, n, s))
         + ")"
         for n, (s, m) in results.models.items()
     ]
