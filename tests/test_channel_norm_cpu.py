@@ -306,3 +306,17 @@ def test_thin_plan_refuses_what_does_not_fit_and_routes_by_channels(monkeypatch)
     assert not _channel.uses_thin(64)
     monkeypatch.setattr(_channel, "thin", True)
     assert _channel.uses_thin(4096)
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 3, 4, 5), (2, 3, 1, 1), (2, 1, 4, 5), (1, 3, 1, 5), (2, 3, 4, 5, 6), (2, 3, 4)]
+)
+def test_the_eager_size_kind_is_the_row_norms_exactly_when_the_rows_are_dense(shape) -> None:
+    """A channel norm call takes the row norm's eager size where its channels-last view is
+    contiguous (the call the kernels make of it), the channel norms' own elsewhere; the 4-D and
+    5-D memory-format check gives the view's answer in every layout."""
+    x = torch.randn(shape)
+    layouts = [x, x.transpose(-1, -2), x.movedim(1, -1).contiguous().movedim(-1, 1)]
+    for t in layouts:
+        expected = "rms_norm" if t.movedim(1, -1).is_contiguous() else "channel_norm"
+        assert _channel_norm._size_kind(t, "rms_norm") == expected, t.stride()
