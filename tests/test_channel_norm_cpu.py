@@ -313,8 +313,7 @@ def test_thin_plan_refuses_what_does_not_fit_and_routes_by_channels(monkeypatch)
 )
 def test_the_eager_size_kind_is_the_row_norms_exactly_when_the_rows_are_dense(shape) -> None:
     """A channel norm call takes the row norm's eager size where its channels-last view is
-    contiguous (the call the kernels make of it), the channel norms' own elsewhere; the 4-D and
-    5-D memory-format check gives the view's answer in every layout."""
+    contiguous (the call the kernels make of it), the channel norms' own elsewhere."""
     x = torch.randn(shape)
     layouts = [x, x.transpose(-1, -2), x.movedim(1, -1).contiguous().movedim(-1, 1)]
     for t in layouts:

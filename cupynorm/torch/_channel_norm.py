@@ -256,17 +256,11 @@ def _size_kind(input: Tensor, row_kind: str) -> str:
     (:mod:`._policy`): on channels_last (or one-pixel) input the call is the row norm of the
     channels-last view on the kernels, and torch's route is that same single op
     (:func:`_over_channels`), so the row norm's (``row_kind``) decides; NCHW input, where torch
-    has no single op, is the channel norms' own. (4-D and 5-D: the memory format's check, a
-    fraction of a view's cost, the same answer.)"""
-    fmt = _CHANNELS_LAST.get(input.dim())
-    if fmt is not None:
-        rows = input.is_contiguous(memory_format=fmt)
-    else:
-        rows = input.dim() >= 2 and input.movedim(1, -1).is_contiguous()
-    return row_kind if rows else "channel_norm"
-
-
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+    has no single op, is the channel norms' own. (The view, not ``is_contiguous(memory_format=
+    ...)``, which a ``vmap`` refuses: the check runs before the route knows of transforms.)"""
+    if input.dim() >= 2 and input.movedim(1, -1).is_contiguous():
+        return row_kind
+    return "channel_norm"
 
 
 def _channel_norm_route(name, torch_fn, input, weight, bias, eps, rms, to_float32) -> Tensor:
